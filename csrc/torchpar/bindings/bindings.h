@@ -1,0 +1,9 @@
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace torchpar::bindings {
+
+// One function per subsystem, each in its own file; module.cpp calls them all.
+void bind_comm(pybind11::module_& module);
+
+} // namespace torchpar::bindings

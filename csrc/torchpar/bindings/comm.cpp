@@ -1,0 +1,91 @@
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <torchpar/bindings/bindings.h>
+#include <torchpar/comm/backend_factory.h>
+#include <torchpar/comm/launch_config.h>
+#include <torchpar/comm/process_group.h>
+#include <torchpar/comm/store.h>
+
+namespace py = pybind11;
+
+namespace torchpar::bindings {
+
+void bind_comm(py::module_& module) {
+  using namespace torchpar::comm;
+  py::register_exception<LaunchError>(module, "LaunchError", PyExc_RuntimeError);
+
+  py::class_<LaunchConfig>(module, "LaunchConfig")
+      .def_readonly("rank", &LaunchConfig::rank)
+      .def_readonly("world_size", &LaunchConfig::world_size)
+      .def_readonly("local_rank", &LaunchConfig::local_rank)
+      .def_readonly("local_world_size", &LaunchConfig::local_world_size)
+      .def_readonly("master_addr", &LaunchConfig::master_addr)
+      .def_readonly("master_port", &LaunchConfig::master_port)
+      .def_readonly("restart_count", &LaunchConfig::restart_count)
+      .def_readonly("use_agent_store", &LaunchConfig::use_agent_store);
+
+  module.def(
+      "read_launch_config",
+      [](const std::map<std::string, std::string>& env, std::optional<int> rank,
+         std::optional<int> world_size, bool has_store) {
+        EnvLookup lookup = [&env](const std::string& name) -> std::optional<std::string> {
+          auto it = env.find(name);
+          return it == env.end() ? std::nullopt : std::optional<std::string>(it->second);
+        };
+        return read_launch_config(lookup, LaunchOverrides{rank, world_size, has_store});
+      },
+      py::arg("env"), py::arg("rank") = py::none(), py::arg("world_size") = py::none(),
+      py::arg("has_store") = false,
+      "Validates a torchrun launch described by `env` (a dict); raises LaunchError.");
+
+  module.def(
+      "resolve_timeout",
+      [](std::optional<std::chrono::milliseconds> timeout) {
+        return resolve_timeout(InitOptions().timeout(timeout));
+      },
+      py::arg("timeout") = py::none(),
+      "The timeout init_process_group uses: the argument, else TORCHPAR_TIMEOUT, else 30 min.");
+
+  module.def(
+      "check_backend",
+      [](const std::string& spec, int rank, int local_rank) {
+        check_backends_usable(parse_backend_spec(spec), rank, local_rank);
+      },
+      py::arg("spec"), py::arg("rank"), py::arg("local_rank"),
+      "Raises RuntimeError when backend `spec` is unknown or cannot run on this rank.");
+
+  module.def(
+      "connect_store", &connect_store, py::arg("config"), py::arg("timeout"),
+      py::call_guard<py::gil_scoped_release>(),
+      "The torchrun rendezvous store for `config`; raises LaunchError when unreachable.");
+
+  module.def(
+      "wait_for_all_ranks",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
+         std::chrono::milliseconds timeout) { wait_for_all_ranks(*store, rank, world_size, timeout); },
+      py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("timeout"),
+      py::call_guard<py::gil_scoped_release>());
+
+  module.def(
+      "init_process_group",
+      [](const std::string& backend, std::optional<std::chrono::milliseconds> timeout,
+         std::optional<int> rank, std::optional<int> world_size,
+         std::optional<c10::intrusive_ptr<c10d::Store>> store) {
+        InitOptions options;
+        options.backend(backend).timeout(timeout).rank(rank).world_size(world_size);
+        if (store) {
+          options.store(*store);
+        }
+        return init_process_group(options);
+      },
+      py::arg("backend") = "", py::arg("timeout") = py::none(), py::arg("rank") = py::none(),
+      py::arg("world_size") = py::none(), py::arg("store") = py::none(),
+      py::call_guard<py::gil_scoped_release>(),
+      "The C++ torchpar::init_process_group: a c10d ProcessGroup not registered with "
+      "torch.distributed (pass it explicitly to torchpar's C++ strategies).");
+}
+
+} // namespace torchpar::bindings

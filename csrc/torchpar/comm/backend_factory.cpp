@@ -1,0 +1,94 @@
+#include <torchpar/comm/backend_factory.h>
+
+#include <sstream>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <torchpar/comm/gloo_backend.h>
+#include <torchpar/comm/nccl_backend.h>
+
+namespace torchpar::comm {
+namespace {
+
+constexpr const char* kKnownBackends = "'gloo', 'nccl' or a list such as 'cpu:gloo,cuda:nccl'";
+
+void check_known(const std::string& name, const std::string& spec) {
+  TORCH_CHECK(
+      name == "gloo" || name == "nccl",
+      "torchpar: unknown backend '", name, "' in '", spec, "'; use ", kKnownBackends);
+}
+
+c10::DeviceType parse_device(const std::string& device, const std::string& spec) {
+  if (device == "cpu") {
+    return c10::DeviceType::CPU;
+  }
+  if (device == "cuda") {
+    return c10::DeviceType::CUDA;
+  }
+  TORCH_CHECK(false, "torchpar: unknown device '", device, "' in backend '", spec, "'; use cpu or cuda");
+}
+
+} // namespace
+
+std::vector<BackendChoice> parse_backend_spec(const std::string& spec) {
+  std::vector<BackendChoice> choices;
+  if (spec.find(':') == std::string::npos) {
+    check_known(spec, spec);
+    if (spec == "gloo") {
+      choices.push_back({c10::DeviceType::CPU, spec});
+    }
+    choices.push_back({c10::DeviceType::CUDA, spec});
+    return choices;
+  }
+  std::istringstream entries(spec);
+  std::string entry;
+  while (std::getline(entries, entry, ',')) {
+    const auto colon = entry.find(':');
+    TORCH_CHECK(
+        colon != std::string::npos, "torchpar: backend entry '", entry, "' in '", spec,
+        "' is not device:backend; use ", kKnownBackends);
+    BackendChoice choice{parse_device(entry.substr(0, colon), spec), entry.substr(colon + 1)};
+    check_known(choice.name, spec);
+    for (const auto& earlier : choices) {
+      TORCH_CHECK(earlier.device != choice.device, "torchpar: backend '", spec, "' names a device twice");
+    }
+    choices.push_back(choice);
+  }
+  return choices;
+}
+
+void check_backends_usable(const std::vector<BackendChoice>& choices, int rank, int local_rank) {
+  for (const auto& choice : choices) {
+    if (choice.name != "nccl") {
+      continue;
+    }
+#ifdef TORCHPAR_HAS_NCCL
+    check_nccl_usable(rank, local_rank);
+#else
+    TORCH_CHECK(
+        false, "torchpar: backend 'nccl' is not available: this libtorchpar was built against a torch ",
+        "without CUDA or without NCCL headers; use backend 'gloo'");
+#endif
+  }
+}
+
+c10::intrusive_ptr<c10d::Backend> make_backend(
+    const std::string& name,
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int world_size,
+    int local_rank,
+    std::chrono::milliseconds timeout) {
+  if (name == "gloo") {
+    return make_gloo_backend(store, rank, world_size, timeout);
+  }
+#ifdef TORCHPAR_HAS_NCCL
+  return make_nccl_backend(store, rank, world_size, local_rank, timeout);
+#else
+  check_backends_usable({{c10::DeviceType::CUDA, name}}, rank, local_rank);
+  return {};
+#endif
+}
+
+} // namespace torchpar::comm

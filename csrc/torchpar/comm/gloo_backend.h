@@ -1,0 +1,20 @@
+#pragma once
+#include <chrono>
+
+#include <c10/util/intrusive_ptr.h>
+
+namespace c10d {
+class Backend;
+class Store;
+} // namespace c10d
+
+namespace torchpar::comm {
+
+// c10d's Gloo backend (CPU tensors) on the default network interface.
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int world_size,
+    std::chrono::milliseconds timeout);
+
+} // namespace torchpar::comm

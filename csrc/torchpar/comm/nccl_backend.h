@@ -1,0 +1,26 @@
+#pragma once
+#include <chrono>
+
+#include <c10/util/intrusive_ptr.h>
+
+namespace c10d {
+class Backend;
+class Store;
+} // namespace c10d
+
+namespace torchpar::comm {
+
+// Throws a c10::Error saying why when rank `rank` (host-local index `local_rank`) has no GPU.
+void check_nccl_usable(int rank, int local_rank);
+
+// c10d's NCCL backend for CUDA tensors; rank `local_rank` of this host uses cuda:local_rank.
+// Throws a c10::Error saying why when no GPU is visible for this rank. Defined only in builds
+// with TORCHPAR_HAS_NCCL (torch with CUDA, NCCL headers found).
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int world_size,
+    int local_rank,
+    std::chrono::milliseconds timeout);
+
+} // namespace torchpar::comm

@@ -1,0 +1,49 @@
+#pragma once
+#include <chrono>
+#include <optional>
+#include <string>
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <torchpar/comm/launch_error.h>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace torchpar::comm {
+
+// Options of init_process_group, in LibTorch's builder style:
+//   init_process_group(InitOptions().backend("gloo").timeout(std::chrono::seconds(60)))
+struct InitOptions {
+  // "gloo", "nccl" or "cpu:gloo,cuda:nccl"; empty: TORCHPAR_BACKEND, else "gloo".
+  TORCH_ARG(std::string, backend);
+  // For the rendezvous and every collective; unset: TORCHPAR_TIMEOUT (seconds), else 30 minutes
+  // (torch.distributed's default).
+  TORCH_ARG(std::optional<std::chrono::milliseconds>, timeout);
+  // For programs not launched by torchrun; unset: RANK / WORLD_SIZE from the environment.
+  TORCH_ARG(std::optional<int>, rank);
+  TORCH_ARG(std::optional<int>, world_size);
+  // A store the ranks already share; unset: the torchrun rendezvous store (MASTER_ADDR/PORT).
+  TORCH_ARG(c10::intrusive_ptr<c10d::Store>, store);
+};
+
+// The timeout init_process_group uses for `options` (see InitOptions::timeout).
+std::chrono::milliseconds resolve_timeout(const InitOptions& options);
+
+// A process group over every rank of the job, created from what torchrun put in the environment
+// (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE). Returns once every rank has joined.
+// A wrong launch throws LaunchError with a one-line message; collectives then go through the
+// returned group (c10d::ProcessGroup's API: allreduce, broadcast, send/recv ...).
+c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options = {});
+
+} // namespace torchpar::comm
+
+namespace torchpar {
+using comm::InitOptions;
+using comm::init_process_group;
+using comm::LaunchError;
+} // namespace torchpar

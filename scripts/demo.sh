@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job, as a user runs it: the all-reduce examples under torchrun, C++ and Python, on one
+# node and as two nodes of two ranks forming one world of four.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+demo=build/examples/cpp/allreduce_demo
+run() { echo; echo "\$ $*"; "$@" 2>&1 | grep -v "OMP_NUM_THREADS\|^W.*run.py.*\*\*\*\|^W.*run.py:[0-9]*\] $"; }
+
+run torchrun --nproc-per-node=2 --no-python "$demo"
+run torchrun --nproc-per-node=2 examples/python/allreduce_demo.py
+echo; echo "\$ two torchrun invocations (--nnodes=2 --node-rank=0/1, loopback rendezvous): one world of 4 ranks"
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+common=(--nnodes=2 --nproc-per-node=2 --master-addr=127.0.0.1 --master-port="$port" --no-python "$demo")
+torchrun --node-rank=1 "${common[@]}" 2>/dev/null &
+torchrun --node-rank=0 "${common[@]}" 2>/dev/null
+wait
+echo; echo "\$ $demo    # launched without torchrun: one line saying what is missing"
+"$demo" 2>&1 || echo "(exit code $?)"

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Every test: the C++ suite (Catch2 via ctest) and the Python suite (pytest), on real ranks.
+# Builds first (a no-op when nothing changed). Fails when any test fails or when none ran.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cmake --build build -j2 || exit 1
+
+status=0
+echo "=== C++ tests (ctest) ==="
+ctest --test-dir build --output-on-failure --no-tests=error -j2 || status=1
+echo "=== Python tests (pytest) ==="
+# pytest exits 5 when it collected no test: that is a failure here too.
+python3 -m pytest tests/python -q -p no:cacheprovider || status=1
+exit $status

@@ -1,0 +1,57 @@
+"""torchpar as others consume it: find_package(torchpar) from an outside CMake project, the Python
+package from any directory, and a regular (non-editable) wheel that carries its libtorchpar."""
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600
+
+
+def run(*command, **kwargs):
+    result = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=TIMEOUT_S, **kwargs)
+    assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def test_outside_cmake_project_builds_against_the_installed_package(build_dir, tmp_path):
+    prefix = tmp_path / "prefix"
+    run("cmake", "--install", build_dir, "--prefix", prefix)
+    assert (prefix / "lib" / "cmake" / "torchpar" / "torchparConfig.cmake").exists()
+    assert (prefix / "include" / "torchpar" / "torchpar.h").exists()
+
+    outside = tmp_path / "outside"
+    run("cmake", "-S", ROOT / "examples" / "cpp", "-B", outside, "-G", "Ninja", f"-DCMAKE_PREFIX_PATH={prefix}",
+        "-DCMAKE_BUILD_TYPE=Release")
+    cache = (outside / "CMakeCache.txt").read_text()
+    assert f"torchpar_DIR:PATH={prefix}/lib/cmake/torchpar" in cache, "found another torchpar than the one installed"
+    run("cmake", "--build", outside, "-j2")
+    result = run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--no-python",
+                 outside / "allreduce_demo")
+    assert result.stdout.count("correct") == 2, result.stdout
+
+
+def test_import_from_any_directory(tmp_path):
+    result = run(sys.executable, "-c", "import torchpar; print(torchpar.__file__); print(torchpar._C.LaunchError)",
+                 cwd=tmp_path)
+    assert "torchpar" in result.stdout
+
+
+def test_regular_wheel_carries_the_extension_and_its_library(tmp_path):
+    run(sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", tmp_path / "wheel", ROOT)
+    wheel = next((tmp_path / "wheel").glob("torchpar-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("torchpar/_C") and n.endswith(".so") for n in names), names
+    assert any(n.startswith("torchpar/libtorchpar.so") for n in names), names
+
+    site = tmp_path / "site"
+    run(sys.executable, "-m", "pip", "install", "--no-deps", "--target", site, wheel)
+    probe = ("import torchpar, sys; assert torchpar.__file__.startswith(sys.argv[1]), torchpar.__file__; "
+             "maps = open('/proc/self/maps').read(); "
+             "assert sys.argv[1] + '/torchpar/libtorchpar.so' in maps, 'libtorchpar not loaded from the wheel'; "
+             "print(torchpar.read_launch_config(rank=0, world_size=1, has_store=True).world_size)")
+    result = run(sys.executable, "-c", probe, site, cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    assert result.stdout.strip() == "1"
