@@ -5,6 +5,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 cmake --build build -j2 || exit 1
 
+# The tests import this checkout's package even where another checkout was installed last.
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 echo "=== C++ tests (ctest) ==="
 ctest --test-dir build --output-on-failure --no-tests=error -j2 || status=1

@@ -13,11 +13,7 @@
 #include <string>
 #include <vector>
 
-#include <c10/util/intrusive_ptr.h>
-
-namespace c10d {
-class ProcessGroup;
-}
+#include <torchpar/comm/c10d_fwd.h>
 
 namespace torchpar::testing {
 

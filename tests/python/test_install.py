@@ -1,5 +1,6 @@
 """torchpar as others consume it: find_package(torchpar) from an outside CMake project, the Python
 package from any directory, and a regular (non-editable) wheel that carries its libtorchpar."""
+import os
 import pathlib
 import subprocess
 import sys
@@ -34,10 +35,14 @@ def test_outside_cmake_project_builds_against_the_installed_package(build_dir, t
     assert result.stdout.count("correct") == 2, result.stdout
 
 
-def test_import_from_any_directory(tmp_path):
-    result = run(sys.executable, "-c", "import torchpar; print(torchpar.__file__); print(torchpar._C.LaunchError)",
-                 cwd=tmp_path)
-    assert "torchpar" in result.stdout
+def test_installed_package_imports_from_any_directory(tmp_path):
+    """What scripts/setup.sh installed (pip install -e .) is this checkout, without PYTHONPATH's help."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = run(sys.executable, "-c", "import torchpar; print(torchpar.__file__); print(torchpar._C.__file__)",
+                 cwd=tmp_path, env=env)
+    package = ROOT / "python" / "torchpar"
+    assert result.stdout.splitlines()[0] == str(package / "__init__.py"), result.stdout
+    assert result.stdout.splitlines()[1].startswith(str(package / "_C")), result.stdout
 
 
 def test_regular_wheel_carries_the_extension_and_its_library(tmp_path):

@@ -4,12 +4,7 @@
 #include <vector>
 
 #include <c10/core/DeviceType.h>
-#include <c10/util/intrusive_ptr.h>
-
-namespace c10d {
-class Backend;
-class Store;
-} // namespace c10d
+#include <torchpar/comm/c10d_fwd.h>
 
 namespace torchpar::comm {
 

@@ -1,12 +1,7 @@
 #pragma once
 #include <chrono>
 
-#include <c10/util/intrusive_ptr.h>
-
-namespace c10d {
-class Backend;
-class Store;
-} // namespace c10d
+#include <torchpar/comm/c10d_fwd.h>
 
 namespace torchpar::comm {
 

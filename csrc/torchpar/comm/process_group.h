@@ -3,15 +3,11 @@
 #include <optional>
 #include <string>
 
-#include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <torchpar/comm/c10d_fwd.h>
 #include <torchpar/comm/launch_error.h>
-
-namespace c10d {
-class ProcessGroup;
-}
 
 namespace torchpar::comm {
 
