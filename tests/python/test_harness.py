@@ -41,10 +41,10 @@ def test_a_crashed_rank_fails_the_run():
 
 def test_a_hung_rank_is_killed_at_the_deadline():
     start = time.monotonic()
-    outcomes = launch_ranks(2, hangs, deadline_s=15)
+    outcomes = launch_ranks(2, hangs, deadline_s=20)
     assert time.monotonic() - start < 60
     assert not outcomes[0].passed
-    assert "still running at the deadline of 15 s" in outcomes[0].message
+    assert "still running at the deadline of 20 s" in outcomes[0].message
     assert outcomes[1].passed
 
 

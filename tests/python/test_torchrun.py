@@ -44,14 +44,14 @@ def check_results(output: str, world: int):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_cpp_binary_under_torchrun(cpp_demo, world):
-    result = torchrun(f"--nproc-per-node={world}", "--no-python", cpp_demo)
+def test_cpp_binary_under_torchrun(cpp_demo, free_port, world):
+    result = torchrun(f"--nproc-per-node={world}", f"--master-port={free_port}", "--no-python", cpp_demo)
     assert result.returncode == 0, result.stderr
     check_results(result.stdout, world)
 
 
-def test_python_script_under_torchrun():
-    result = torchrun("--nproc-per-node=2", PYTHON_DEMO)
+def test_python_script_under_torchrun(free_port):
+    result = torchrun("--nproc-per-node=2", f"--master-port={free_port}", PYTHON_DEMO)
     assert result.returncode == 0, result.stderr
     check_results(result.stdout, 2)
 
