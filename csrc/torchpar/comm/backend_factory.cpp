@@ -29,6 +29,14 @@ c10::DeviceType parse_device(const std::string& device, const std::string& spec)
   TORCH_CHECK(false, "torchpar: unknown device '", device, "' in backend '", spec, "'; use cpu or cuda");
 }
 
+#ifndef TORCHPAR_HAS_NCCL
+[[noreturn]] void nccl_not_compiled() {
+  TORCH_CHECK(
+      false, "torchpar: backend 'nccl' is not available: this libtorchpar was built against a torch ",
+      "without CUDA or without NCCL headers; use backend 'gloo'");
+}
+#endif
+
 } // namespace
 
 std::vector<BackendChoice> parse_backend_spec(const std::string& spec) {
@@ -66,9 +74,7 @@ void check_backends_usable(const std::vector<BackendChoice>& choices, int rank, 
 #ifdef TORCHPAR_HAS_NCCL
     check_nccl_usable(rank, local_rank);
 #else
-    TORCH_CHECK(
-        false, "torchpar: backend 'nccl' is not available: this libtorchpar was built against a torch ",
-        "without CUDA or without NCCL headers; use backend 'gloo'");
+    nccl_not_compiled();
 #endif
   }
 }
@@ -86,8 +92,7 @@ c10::intrusive_ptr<c10d::Backend> make_backend(
 #ifdef TORCHPAR_HAS_NCCL
   return make_nccl_backend(store, rank, world_size, local_rank, timeout);
 #else
-  check_backends_usable({{c10::DeviceType::CUDA, name}}, rank, local_rank);
-  return {};
+  nccl_not_compiled();
 #endif
 }
 
