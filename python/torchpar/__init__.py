@@ -6,7 +6,10 @@ import torch
 import torch.distributed  # registers c10d's Python types (Store, ProcessGroup) that _C hands out
 
 from . import _C
+from .backends import register_backends
 from .comm import LaunchError, init_process_group, read_launch_config
+
+register_backends()
 
 __version__ = "0.1.0"
 

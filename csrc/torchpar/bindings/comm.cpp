@@ -7,6 +7,7 @@
 #include <torchpar/comm/backend_factory.h>
 #include <torchpar/comm/launch_config.h>
 #include <torchpar/comm/process_group.h>
+#include <torchpar/comm/shm/process_group_shm.h>
 #include <torchpar/comm/store.h>
 
 namespace py = pybind11;
@@ -68,6 +69,15 @@ void bind_comm(py::module_& module) {
          std::chrono::milliseconds timeout) { wait_for_all_ranks(*store, rank, world_size, timeout); },
       py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("timeout"),
       py::call_guard<py::gil_scoped_release>());
+
+  module.def(
+      "make_shm_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {
+        return shm::make_shm_backend(store, rank, size, timeout);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+      py::call_guard<py::gil_scoped_release>(),
+      "torchpar's shared-memory c10d backend; torch.distributed creates it for backend 'shm'.");
 
   module.def(
       "init_process_group",

@@ -7,15 +7,16 @@
 
 #include <torchpar/comm/gloo_backend.h>
 #include <torchpar/comm/nccl_backend.h>
+#include <torchpar/comm/shm/process_group_shm.h>
 
 namespace torchpar::comm {
 namespace {
 
-constexpr const char* kKnownBackends = "'gloo', 'nccl' or a list such as 'cpu:gloo,cuda:nccl'";
+constexpr const char* kKnownBackends = "'gloo', 'nccl', 'shm' or a list such as 'cpu:shm,cuda:nccl'";
 
 void check_known(const std::string& name, const std::string& spec) {
   TORCH_CHECK(
-      name == "gloo" || name == "nccl",
+      name == "gloo" || name == "nccl" || name == "shm",
       "torchpar: unknown backend '", name, "' in '", spec, "'; use ", kKnownBackends);
 }
 
@@ -27,6 +28,13 @@ c10::DeviceType parse_device(const std::string& device, const std::string& spec)
     return c10::DeviceType::CUDA;
   }
   TORCH_CHECK(false, "torchpar: unknown device '", device, "' in backend '", spec, "'; use cpu or cuda");
+}
+
+void check_device_supported(const BackendChoice& choice, const std::string& spec) {
+  TORCH_CHECK(!(choice.name == "shm" && choice.device != c10::DeviceType::CPU),
+              "torchpar: backend 'shm' serves CPU tensors only ('", spec, "'); use e.g. 'cpu:shm,cuda:nccl'");
+  TORCH_CHECK(!(choice.name == "nccl" && choice.device != c10::DeviceType::CUDA),
+              "torchpar: backend 'nccl' serves CUDA tensors only ('", spec, "'); use e.g. 'cpu:gloo,cuda:nccl'");
 }
 
 #ifndef TORCHPAR_HAS_NCCL
@@ -43,10 +51,12 @@ std::vector<BackendChoice> parse_backend_spec(const std::string& spec) {
   std::vector<BackendChoice> choices;
   if (spec.find(':') == std::string::npos) {
     check_known(spec, spec);
-    if (spec == "gloo") {
+    if (spec != "nccl") {
       choices.push_back({c10::DeviceType::CPU, spec});
     }
-    choices.push_back({c10::DeviceType::CUDA, spec});
+    if (spec != "shm") {
+      choices.push_back({c10::DeviceType::CUDA, spec});
+    }
     return choices;
   }
   std::istringstream entries(spec);
@@ -58,6 +68,7 @@ std::vector<BackendChoice> parse_backend_spec(const std::string& spec) {
         "' is not device:backend; use ", kKnownBackends);
     BackendChoice choice{parse_device(entry.substr(0, colon), spec), entry.substr(colon + 1)};
     check_known(choice.name, spec);
+    check_device_supported(choice, spec);
     for (const auto& earlier : choices) {
       TORCH_CHECK(earlier.device != choice.device, "torchpar: backend '", spec, "' names a device twice");
     }
@@ -88,6 +99,9 @@ c10::intrusive_ptr<c10d::Backend> make_backend(
     std::chrono::milliseconds timeout) {
   if (name == "gloo") {
     return make_gloo_backend(store, rank, world_size, timeout);
+  }
+  if (name == "shm") {
+    return shm::make_shm_backend(store, rank, world_size, timeout);
   }
 #ifdef TORCHPAR_HAS_NCCL
   return make_nccl_backend(store, rank, world_size, local_rank, timeout);

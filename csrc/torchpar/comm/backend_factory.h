@@ -13,8 +13,9 @@ struct BackendChoice {
   std::string name;
 };
 
-// torch.distributed's backend strings: "gloo" (CPU and CUDA tensors), "nccl" (CUDA tensors) or a
-// per-device list "cpu:gloo,cuda:nccl". The first entry is the process group's default backend.
+// torch.distributed's backend strings: "gloo" (CPU and CUDA tensors), "nccl" (CUDA tensors), "shm"
+// (torchpar's shared-memory backend, CPU tensors) or a per-device list "cpu:shm,cuda:nccl". The
+// first entry is the process group's default backend.
 std::vector<BackendChoice> parse_backend_spec(const std::string& spec);
 
 // Throws a c10::Error saying why a chosen backend cannot run on this rank (NCCL not compiled in,

@@ -17,8 +17,10 @@ namespace {
 constexpr std::chrono::minutes kDefaultTimeout{30};
 
 c10d::ProcessGroup::BackendType backend_type(const std::string& name) {
-  return name == "nccl" ? c10d::ProcessGroup::BackendType::NCCL
-                        : c10d::ProcessGroup::BackendType::GLOO;
+  if (name == "nccl") {
+    return c10d::ProcessGroup::BackendType::NCCL;
+  }
+  return name == "shm" ? c10d::ProcessGroup::BackendType::CUSTOM : c10d::ProcessGroup::BackendType::GLOO;
 }
 
 // Every rank creates its process groups in the same order (as with torch.distributed's group

@@ -1,0 +1,209 @@
+"""Collective latency and bus bandwidth: torchpar's "shm" backend beside torch's Gloo, in one run.
+
+    python benchmarks/collectives.py [--worlds 2 4] [--max-bytes 64MiB] [--out benchmarks/results]
+
+For each world size the script spawns that many ranks on this host; every rank joins a Gloo group
+and an shm group, and each (op, size) is timed on both, alternately, in the same processes. A plain
+memcpy of the same size (one process, torch's copy_) is measured as the physical bound. Bus
+bandwidth follows nccl-tests: allreduce algbw*2(n-1)/n, allgather algbw*(n-1)/n (size = output),
+broadcast algbw. Writes <out>/collectives.json and collectives.png and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import multiprocessing
+import os
+import pathlib
+import time
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("torchpar.bench")
+OPS = ("allreduce", "broadcast", "allgather")
+BACKENDS = ("gloo", "shm")
+TARGET_SECONDS = 0.25  # per measurement; sizes are timed over enough iterations to reach it
+
+
+def parse_bytes(text: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def sizes_up_to(max_bytes: int) -> list[int]:
+    sizes, size = [], 4096
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def bus_factor(op: str, world: int) -> float:
+    return {"allreduce": 2 * (world - 1) / world, "allgather": (world - 1) / world, "broadcast": 1.0}[op]
+
+
+def run_op(op, group, tensor, gathered):
+    if op == "allreduce":
+        dist.all_reduce(tensor, group=group)
+    elif op == "broadcast":
+        dist.broadcast(tensor, src=0, group=group)
+    else:
+        dist.all_gather_into_tensor(gathered, tensor, group=group)
+
+
+def time_op(op, group, tensor, gathered, control, iterations: int) -> float:
+    """Seconds per op, the slowest rank's."""
+    for _ in range(2):
+        run_op(op, group, tensor, gathered)
+    dist.barrier(group=control)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        run_op(op, group, tensor, gathered)
+    elapsed = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
+    return elapsed.item()
+
+
+def rank_main(rank: int, world: int, port: int, sizes: list[int], results) -> None:
+    import torchpar  # registers "shm"
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torchpar.init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
+    control = dist.new_group(backend="gloo")
+    groups = {"gloo": dist.group.WORLD, "shm": dist.new_group(backend="shm")}
+    rows = []
+    progress = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(OPS) * len(sizes) * len(BACKENDS), desc=f"{world} ranks", unit="case")
+    for op in OPS:
+        for size in sizes:
+            tensor = torch.ones(size // 4, dtype=torch.float32)
+            gathered = torch.empty(world * tensor.numel(), dtype=torch.float32)
+            # Estimate with Gloo (the slower), then time both backends with the same count.
+            probe = time_op(op, groups["gloo"], tensor, gathered, control, 1)
+            iterations = max(3, min(2000, int(TARGET_SECONDS / max(probe, 1e-6))))
+            for backend in BACKENDS:
+                seconds = time_op(op, groups[backend], tensor, gathered, control, iterations)
+                data = size * (world if op == "allgather" else 1)
+                rows.append(dict(op=op, world=world, backend=backend, bytes=size, seconds=seconds,
+                                 busbw_gbps=data / seconds * bus_factor(op, world) / 1e9))
+                if progress:
+                    progress.update()
+    if progress:
+        progress.close()
+    if rank == 0:
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def memcpy_rows(sizes: list[int]) -> list[dict]:
+    torch.set_num_threads(1)
+    rows = []
+    for size in sizes:
+        source, target = torch.ones(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+        target.copy_(source)
+        iterations = max(3, int(TARGET_SECONDS * 4e9 / size))
+        start = time.perf_counter()
+        for _ in range(iterations):
+            target.copy_(source)
+        seconds = (time.perf_counter() - start) / iterations
+        rows.append(dict(op="memcpy", world=1, backend="memcpy", bytes=size, seconds=seconds,
+                         busbw_gbps=size / seconds / 1e9))
+    return rows
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def table(rows: list[dict]) -> str:
+    index = {(r["op"], r["world"], r["backend"], r["bytes"]): r for r in rows}
+    memcpy = {r["bytes"]: r for r in rows if r["op"] == "memcpy"}
+    lines = ["| op | ranks | size | gloo latency | shm latency | speed-up | gloo busbw | shm busbw | memcpy |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for op in OPS:
+        for world in sorted({r["world"] for r in rows if r["op"] == op}):
+            for size in sorted({r["bytes"] for r in rows if r["op"] == op}):
+                gloo, shm = index[(op, world, "gloo", size)], index[(op, world, "shm", size)]
+                lines.append(
+                    f"| {op} | {world} | {human(size)} | {gloo['seconds'] * 1e6:.0f} µs | {shm['seconds'] * 1e6:.1f} µs "
+                    f"| {gloo['seconds'] / shm['seconds']:.1f}x | {gloo['busbw_gbps']:.2f} GB/s "
+                    f"| {shm['busbw_gbps']:.2f} GB/s | {memcpy[size]['busbw_gbps']:.2f} GB/s |")
+    return "\n".join(lines)
+
+
+def human(size: int) -> str:
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r["world"] for r in rows if r["op"] != "memcpy"})
+    figure, axes = plt.subplots(2, len(OPS), figsize=(5 * len(OPS), 8), squeeze=False)
+    memcpy = sorted((r for r in rows if r["op"] == "memcpy"), key=lambda r: r["bytes"])
+    for column, op in enumerate(OPS):
+        latency, bandwidth = axes[0][column], axes[1][column]
+        for world in worlds:
+            for backend, style in (("gloo", "--"), ("shm", "-")):
+                series = sorted((r for r in rows if (r["op"], r["world"], r["backend"]) == (op, world, backend)),
+                                key=lambda r: r["bytes"])
+                sizes = [r["bytes"] for r in series]
+                label = f"{backend}, {world} ranks"
+                latency.plot(sizes, [r["seconds"] * 1e6 for r in series], style, marker="o", label=label)
+                bandwidth.plot(sizes, [r["busbw_gbps"] for r in series], style, marker="o", label=label)
+        bandwidth.plot([r["bytes"] for r in memcpy], [r["busbw_gbps"] for r in memcpy], ":", color="black",
+                       label="memcpy (1 core)")
+        latency.set(title=f"{op}: latency", xscale="log", yscale="log", ylabel="µs per op", xlabel="bytes")
+        bandwidth.set(title=f"{op}: bus bandwidth", xscale="log", ylabel="GB/s", xlabel="bytes")
+        latency.legend(fontsize=8)
+        bandwidth.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("64MiB"))
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sizes = sizes_up_to(args.max_bytes)
+    rows = memcpy_rows(sizes)
+    context = multiprocessing.get_context("spawn")
+    for world in args.worlds:
+        results = context.Queue()
+        port = free_port()
+        ranks = [context.Process(target=rank_main, args=(rank, world, port, sizes, results)) for rank in range(world)]
+        for process in ranks:
+            process.start()
+        rows.extend(results.get(timeout=3600))
+        for process in ranks:
+            process.join()
+            if process.exitcode != 0:
+                raise SystemExit(f"a rank of the {world}-rank run failed (exit code {process.exitcode})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "collectives.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, args.out / "collectives.png")
+    logger.info("%s\n\nwrote %s and %s", table(rows), args.out / "collectives.json", args.out / "collectives.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+#include <torchpar/comm/shm/communicator.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+#include <torchpar/comm/shm/progress.h>
+#include <torchpar/comm/shm/reduce_kernels.h>
+
+namespace torchpar::comm::shm {
+namespace {
+
+// Up to this many bytes every rank reduces the whole message itself: one meeting instead of two.
+constexpr uint64_t kOneShotBytes = 64 * 1024;
+// Partitions of a chunk start on cache-line boundaries.
+constexpr int64_t kPartitionAlignBytes = 64;
+
+uint64_t ceil_div(uint64_t a, uint64_t b) {
+  return (a + b - 1) / b;
+}
+
+std::string describe_descriptor(const OpDescriptor& d) {
+  std::ostringstream text;
+  text << op_name(static_cast<OpKind>(d.op)) << " of " << c10::toString(static_cast<c10::ScalarType>(d.dtype)) << ", "
+       << d.agreed_bytes << " bytes";
+  if (d.root >= 0) {
+    text << ", root " << d.root;
+  }
+  if (static_cast<OpKind>(d.op) == OpKind::Allreduce || static_cast<OpKind>(d.op) == OpKind::Reduce ||
+      static_cast<OpKind>(d.op) == OpKind::ReduceScatter) {
+    text << ", reduce op " << d.reduce_op;
+  }
+  return text.str();
+}
+
+bool same_call(const OpDescriptor& a, const OpDescriptor& b) {
+  return a.sequence == b.sequence && a.op == b.op && a.dtype == b.dtype && a.root == b.root &&
+      a.reduce_op == b.reduce_op && a.agreed_bytes == b.agreed_bytes;
+}
+
+} // namespace
+
+const char* op_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::Allreduce:
+      return "allreduce";
+    case OpKind::Broadcast:
+      return "broadcast";
+    case OpKind::Reduce:
+      return "reduce";
+    case OpKind::Allgather:
+      return "allgather";
+    case OpKind::Gather:
+      return "gather";
+    case OpKind::Scatter:
+      return "scatter";
+    case OpKind::ReduceScatter:
+      return "reduce_scatter";
+    case OpKind::AllToAll:
+      return "alltoall";
+    case OpKind::Barrier:
+      return "barrier";
+  }
+  return "unknown op";
+}
+
+Communicator::Communicator(
+    SharedSegment segment,
+    SegmentLayout layout,
+    int rank,
+    std::chrono::milliseconds timeout)
+    : segment_(std::move(segment)),
+      layout_(layout),
+      rank_(rank),
+      timeout_(timeout),
+      controls_(reinterpret_cast<RankControl*>(segment_.data() + layout_.controls_offset())) {
+  phase_ = mine().progress.load(std::memory_order_acquire);
+  mine().pid = static_cast<int32_t>(::getpid());
+}
+
+void Communicator::start_op(OpDescriptor& descriptor, uint64_t stream_bytes) {
+  descriptor.sequence = ++sequence_;
+  descriptor.stream_bytes = stream_bytes;
+  current_ = descriptor;
+  TORCH_CHECK(failure_.empty(), describe(), ": the group is unusable since an earlier op failed (", failure_,
+              "); create a new process group");
+  controls_[rank_].descriptors[descriptor.sequence % 2] = descriptor;
+  deadline_ = std::chrono::steady_clock::now() + timeout_;
+}
+
+char* Communicator::slot(int rank) const {
+  return segment_.data() + layout_.slot_offset(round_, rank);
+}
+
+std::string Communicator::describe() const {
+  return std::string("shm backend: ") + op_name(static_cast<OpKind>(current_.op)) + " #" +
+      std::to_string(current_.sequence) + " on rank " + std::to_string(rank_);
+}
+
+void Communicator::meet() {
+  advance(mine());
+  ++phase_;
+  try {
+    wait_for_all(controls_, world(), phase_, deadline_, [this] { return describe(); });
+  } catch (const c10::Error& e) {
+    failure_ = e.what_without_backtrace();
+    throw;
+  }
+}
+
+void Communicator::publish(const char* bytes, uint64_t length) {
+  if (length > 0) {
+    std::memcpy(slot(rank_), bytes, length);
+  }
+  meet();
+}
+
+uint64_t Communicator::check_descriptors() {
+  const auto parity = current_.sequence % 2;
+  uint64_t longest = 0;
+  std::vector<int> differing;
+  for (int rank = 0; rank < world(); ++rank) {
+    const OpDescriptor& theirs = controls_[rank].descriptors[parity];
+    if (!same_call(theirs, current_)) {
+      differing.push_back(rank);
+    }
+    longest = std::max(longest, theirs.stream_bytes);
+  }
+  if (!differing.empty()) {
+    ++round_; // the round is over on every rank: the group stays usable
+    std::ostringstream text;
+    text << describe() << ": the ranks called different collectives; this rank: " << describe_descriptor(current_);
+    for (int rank : differing) {
+      const OpDescriptor& theirs = controls_[rank].descriptors[parity];
+      text << "; rank " << rank << ": " << describe_descriptor(theirs) << " (op #" << theirs.sequence << ")";
+    }
+    C10_THROW_ERROR(DistBackendError, text.str());
+  }
+  return longest;
+}
+
+void Communicator::exchange(
+    OpDescriptor descriptor,
+    const char* stream,
+    uint64_t stream_bytes,
+    const std::vector<Want>& wants) {
+  start_op(descriptor, stream_bytes);
+  const uint64_t chunk = layout_.chunk_bytes;
+  uint64_t rounds = 1;
+  for (uint64_t k = 0; k < rounds; ++k) {
+    const uint64_t begin = k * chunk;
+    const uint64_t end = begin + chunk;
+    publish(stream + std::min(begin, stream_bytes), stream_bytes > begin ? std::min(chunk, stream_bytes - begin) : 0);
+    if (k == 0) {
+      rounds = std::max<uint64_t>(1, ceil_div(check_descriptors(), chunk));
+    }
+    for (const Want& want : wants) {
+      const uint64_t from = std::max(begin, want.offset);
+      const uint64_t to = std::min(end, want.offset + want.length);
+      if (from < to) {
+        std::memcpy(want.destination + (from - want.offset), slot(want.source) + (from - begin), to - from);
+      }
+    }
+    ++round_;
+  }
+}
+
+void Communicator::reduce(
+    OpDescriptor descriptor,
+    const at::Tensor& input,
+    const at::Tensor& output,
+    ReduceMode mode,
+    c10d::ReduceOp::RedOpType op) {
+  const auto dtype = input.scalar_type();
+  const int64_t element = static_cast<int64_t>(input.element_size());
+  const int64_t numel = input.numel();
+  start_op(descriptor, static_cast<uint64_t>(numel * element));
+
+  const int64_t per_chunk = static_cast<int64_t>(layout_.chunk_bytes) / element;
+  const uint64_t rounds = std::max<uint64_t>(1, ceil_div(static_cast<uint64_t>(numel), per_chunk));
+  const bool one_shot = mode == ReduceMode::All && rounds == 1 && descriptor.stream_bytes <= kOneShotBytes;
+  const int64_t block = mode == ReduceMode::Scatter ? numel / world() : 0;
+  const char* in = static_cast<const char*>(input.const_data_ptr());
+  char* out = static_cast<char*>(output.data_ptr());
+  std::vector<const void*> sources(world());
+  auto gather_sources = [&](int64_t first) {
+    for (int rank = 0; rank < world(); ++rank) {
+      sources[rank] = slot(rank) + (first % per_chunk) * element;
+    }
+  };
+
+  for (uint64_t k = 0; k < rounds; ++k) {
+    const int64_t begin = static_cast<int64_t>(k) * per_chunk;
+    const int64_t end = std::min(numel, begin + per_chunk);
+    publish(in + begin * element, static_cast<uint64_t>((end - begin) * element));
+    if (k == 0) {
+      check_descriptors();
+    }
+    if (mode == ReduceMode::Root) {
+      if (rank_ == descriptor.root) {
+        gather_sources(begin);
+        reduce_slices(out + begin * element, sources, end - begin, dtype, op);
+      }
+    } else if (mode == ReduceMode::Scatter) {
+      const int64_t from = std::max(begin, rank_ * block);
+      const int64_t to = std::min(end, (rank_ + 1) * block);
+      if (from < to) {
+        gather_sources(from);
+        reduce_slices(out + (from - rank_ * block) * element, sources, to - from, dtype, op);
+      }
+    } else if (one_shot) {
+      gather_sources(begin);
+      reduce_slices(out + begin * element, sources, end - begin, dtype, op);
+    } else {
+      // Each rank reduces one partition of the chunk into its own slot (and output), then every
+      // rank copies the other partitions from their owners' slots.
+      const int64_t align = std::max<int64_t>(1, kPartitionAlignBytes / element);
+      const int64_t part = (ceil_div(static_cast<uint64_t>(end - begin), world()) + align - 1) / align * align;
+      auto part_range = [&](int rank) {
+        const int64_t from = std::min(end, begin + rank * part);
+        return std::make_pair(from, std::min(end, from + part));
+      };
+      const auto [from, to] = part_range(rank_);
+      if (from < to) {
+        gather_sources(from);
+        reduce_slices(out + from * element, sources, to - from, dtype, op);
+        std::memcpy(slot(rank_) + (from - begin) * element, out + from * element, (to - from) * element);
+      }
+      meet();
+      for (int rank = 0; rank < world(); ++rank) {
+        const auto [theirs_from, theirs_to] = part_range(rank);
+        if (rank != rank_ && theirs_from < theirs_to) {
+          std::memcpy(out + theirs_from * element, slot(rank) + (theirs_from - begin) * element,
+                      (theirs_to - theirs_from) * element);
+        }
+      }
+    }
+    ++round_;
+  }
+}
+
+} // namespace torchpar::comm::shm

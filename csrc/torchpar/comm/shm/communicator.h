@@ -1,0 +1,100 @@
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <torchpar/comm/shm/layout.h>
+#include <torchpar/comm/shm/segment.h>
+
+namespace torchpar::comm::shm {
+
+enum class OpKind : uint32_t {
+  Allreduce = 1,
+  Broadcast,
+  Reduce,
+  Allgather,
+  Gather,
+  Scatter,
+  ReduceScatter,
+  AllToAll,
+  Barrier,
+};
+
+const char* op_name(OpKind kind);
+
+// What one op moves: this rank receives `length` bytes from offset `offset` of rank `source`'s
+// stream into `destination`.
+struct Want {
+  int source;
+  uint64_t offset;
+  uint64_t length;
+  char* destination;
+};
+
+// Which ranks keep the result of a reduction.
+enum class ReduceMode {
+  All, // allreduce: every rank, the whole tensor
+  Root, // reduce: the root only
+  Scatter, // reduce_scatter: each rank its own block [rank*block, (rank+1)*block)
+};
+
+// The collectives of one group of ranks on one host, over a shared segment. Every op runs in
+// rounds of at most one chunk per rank: each rank copies its chunk into its slot, all ranks meet
+// (progress counters), then each takes what it needs straight from the others' slots. Rounds
+// alternate between two buffer sets, so a round needs one meeting, not two. Not thread-safe: the
+// backend runs its ops one after another on one thread, in the same order on every rank.
+class Communicator {
+ public:
+  Communicator(SharedSegment segment, SegmentLayout layout, int rank, std::chrono::milliseconds timeout);
+
+  int rank() const {
+    return rank_;
+  }
+  int world() const {
+    return layout_.world;
+  }
+  void set_timeout(std::chrono::milliseconds timeout) {
+    timeout_ = timeout;
+  }
+
+  // Every rank contributes `stream` (lengths may differ between ranks) and receives `wants`.
+  void exchange(OpDescriptor descriptor, const char* stream, uint64_t stream_bytes, const std::vector<Want>& wants);
+
+  // Reduces `input` (contiguous, same numel and dtype on every rank) into `output`: the whole
+  // tensor (All, Root) or this rank's block (Scatter, output has numel / world elements).
+  void reduce(OpDescriptor descriptor, const at::Tensor& input, const at::Tensor& output, ReduceMode mode,
+              c10d::ReduceOp::RedOpType op);
+
+ private:
+  char* slot(int rank) const;
+  RankControl& mine() const {
+    return controls_[rank_];
+  }
+  // Copies this rank's part of the current round into its slot (with the op's descriptor in the
+  // first round), then waits for every rank to have done the same.
+  void publish(const char* bytes, uint64_t length);
+  void meet();
+  // After the first round: every rank's descriptor must match; returns the longest stream.
+  uint64_t check_descriptors();
+  std::string describe() const;
+  // Starts op `descriptor`: refuses to when an earlier op left the ranks out of step.
+  void start_op(OpDescriptor& descriptor, uint64_t stream_bytes);
+
+  SharedSegment segment_;
+  SegmentLayout layout_;
+  int rank_;
+  std::chrono::milliseconds timeout_;
+  RankControl* controls_;
+  uint64_t round_ = 0; // rounds completed by this group; selects the buffer set
+  uint32_t phase_ = 0; // this rank's progress counter
+  uint64_t sequence_ = 0;
+  OpDescriptor current_{};
+  std::string failure_; // why the group stopped being usable (a rank died or timed out)
+  std::chrono::steady_clock::time_point deadline_;
+};
+
+} // namespace torchpar::comm::shm

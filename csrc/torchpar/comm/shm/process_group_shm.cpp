@@ -1,0 +1,599 @@
+#include <torchpar/comm/shm/process_group_shm.h>
+
+#include <unistd.h>
+
+#include <iomanip>
+#include <random>
+#include <sstream>
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <torchpar/comm/gloo_backend.h>
+#include <torchpar/comm/shm/reduce_kernels.h>
+
+namespace torchpar::comm::shm {
+namespace {
+
+// Bytes per rank and round: a cache-sized piece, so a round's copies and reductions stay in cache.
+constexpr std::size_t kChunkBytes = 1 << 20;
+// Ops up to this size may run on the calling thread (see enqueue).
+constexpr uint64_t kInlineBytes = 256 * 1024;
+
+using RedOp = c10d::ReduceOp::RedOpType;
+
+std::string random_token() {
+  std::random_device random;
+  std::ostringstream text;
+  for (int i = 0; i < 4; ++i) {
+    text << std::hex << std::setw(8) << std::setfill('0') << random();
+  }
+  return text.str();
+}
+
+// Rank 0 creates the segment under a fresh random name and publishes the name through the
+// store; the last rank to map it removes the name, so /dev/shm keeps nothing of ours.
+SharedSegment rendezvous(const c10::intrusive_ptr<c10d::Store>& store, int rank, const SegmentLayout& layout) {
+  const std::string key = "shm/segment";
+  SharedSegment segment = [&] {
+    if (rank == 0) {
+      const std::string name = "/torchpar-" + std::to_string(::getuid()) + "-" + random_token();
+      auto created = SharedSegment::create(name, layout.total_bytes());
+      store->set(key, std::vector<uint8_t>(name.begin(), name.end()));
+      return created;
+    }
+    const auto value = store->get(key);
+    return SharedSegment::open(std::string(value.begin(), value.end()), layout.total_bytes());
+  }();
+  if (store->add("shm/mapped", 1) == layout.world) {
+    const auto value = store->get(key);
+    SharedSegment::unlink(std::string(value.begin(), value.end()));
+  }
+  return segment;
+}
+
+void check_cpu_dense(const at::Tensor& tensor, const char* op) {
+  TORCH_CHECK(tensor.device().is_cpu(), "shm backend: ", op, " needs CPU tensors, got one on ", tensor.device(),
+              " (use 'cpu:shm,cuda:nccl' to send CUDA tensors to NCCL)");
+  TORCH_CHECK(tensor.layout() == c10::kStrided, "shm backend: ", op, " does not support sparse tensors");
+}
+
+const at::Tensor& single(const std::vector<at::Tensor>& tensors, const char* op) {
+  TORCH_CHECK(tensors.size() == 1, "shm backend: ", op, " takes exactly one tensor per rank, got ", tensors.size());
+  check_cpu_dense(tensors[0], op);
+  return tensors[0];
+}
+
+void check_same(const at::Tensor& tensor, const at::Tensor& reference, const char* op, const char* what) {
+  check_cpu_dense(tensor, op);
+  TORCH_CHECK(tensor.scalar_type() == reference.scalar_type() && tensor.numel() == reference.numel(),
+              "shm backend: ", op, ": every ", what, " must have the input's dtype and size (",
+              reference.scalar_type(), ", ", reference.numel(), " elements), got ", tensor.scalar_type(), ", ",
+              tensor.numel(), " elements");
+}
+
+// A contiguous stand-in for a user tensor that may not be contiguous: ops write into `buffer`,
+// then deliver() copies it back when it is not the user's tensor itself.
+struct Landing {
+  explicit Landing(const at::Tensor& user_tensor)
+      : user(user_tensor), buffer(user_tensor.is_contiguous() ? user_tensor : user_tensor.contiguous()) {}
+  char* data() const {
+    return static_cast<char*>(buffer.data_ptr());
+  }
+  void deliver() const {
+    if (!buffer.is_same(user)) {
+      user.copy_(buffer);
+    }
+  }
+  at::Tensor user;
+  at::Tensor buffer;
+};
+
+at::Tensor flat_concatenation(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (const auto& tensor : tensors) {
+    flat.push_back(tensor.reshape({-1}));
+  }
+  return at::cat(flat);
+}
+
+uint64_t bytes_of(const at::Tensor& tensor) {
+  return static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+}
+
+uint64_t total_bytes(const std::vector<at::Tensor>& tensors) {
+  uint64_t total = 0;
+  for (const auto& tensor : tensors) {
+    total += bytes_of(tensor);
+  }
+  return total;
+}
+
+OpDescriptor descriptor(OpKind kind, const at::Tensor& tensor, uint64_t agreed_bytes, int64_t root = -1,
+                        RedOp op = RedOp::SUM) {
+  OpDescriptor d{};
+  d.op = static_cast<uint32_t>(kind);
+  d.dtype = static_cast<int32_t>(tensor.scalar_type());
+  d.root = root;
+  d.reduce_op = static_cast<uint32_t>(op);
+  d.agreed_bytes = agreed_bytes;
+  return d;
+}
+
+} // namespace
+
+ProcessGroupShm::ProcessGroupShm(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout)
+    : Backend(rank, size),
+      communicator_(rendezvous(store, rank, SegmentLayout{size, kChunkBytes}), SegmentLayout{size, kChunkBytes},
+                    rank, timeout),
+      point_to_point_(make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("p2p/", store), rank, size, timeout)),
+      worker_([this] { run_tasks(); }) {}
+
+ProcessGroupShm::~ProcessGroupShm() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  worker_.join();
+}
+
+void ProcessGroupShm::setTimeout(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  communicator_.set_timeout(timeout);
+  point_to_point_->setTimeout(timeout);
+}
+
+void ProcessGroupShm::execute(ShmWork& work, const Task& task) {
+  try {
+    task();
+    work.complete();
+  } catch (...) {
+    work.fail(std::current_exception());
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(
+    c10d::OpType type,
+    std::vector<at::Tensor> outputs,
+    uint64_t bytes,
+    Task task) {
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (bytes > kInlineBytes || running_ || !queue_.empty()) {
+      queue_.emplace_back(work, std::move(task));
+      lock.unlock();
+      wake_.notify_one();
+      return work;
+    }
+    running_ = true;
+  }
+  execute(*work, task);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    running_ = false;
+  }
+  wake_.notify_one();
+  return work;
+}
+
+void ProcessGroupShm::run_tasks() {
+  while (true) {
+    std::pair<c10::intrusive_ptr<ShmWork>, Task> next;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [this] { return (stopping_ || !queue_.empty()) && !running_; });
+      if (queue_.empty()) {
+        return;
+      }
+      next = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = true;
+    }
+    execute(*next.first, next.second);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      running_ = false;
+    }
+    wake_.notify_all();
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(
+    std::vector<at::Tensor>& tensors,
+    const c10d::BroadcastOptions& opts) {
+  const at::Tensor& tensor = single(tensors, "broadcast");
+  const int64_t root = opts.rootRank;
+  TORCH_CHECK(root >= 0 && root < size_, "shm backend: broadcast root ", root, " is not a rank of this group");
+  return enqueue(c10d::OpType::BROADCAST, tensors, bytes_of(tensor), [this, tensor, root] {
+    Landing landing(tensor);
+    const uint64_t bytes = bytes_of(tensor);
+    const bool sending = rank_ == root;
+    std::vector<Want> wants;
+    if (!sending) {
+      wants.push_back({static_cast<int>(root), 0, bytes, landing.data()});
+    }
+    communicator_.exchange(descriptor(OpKind::Broadcast, tensor, bytes, root), landing.data(), sending ? bytes : 0,
+                           wants);
+    landing.deliver();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  const at::Tensor& tensor = single(tensors, "allreduce");
+  const RedOp op = opts.reduceOp.op_;
+  check_reducible(tensor.scalar_type(), op, "allreduce");
+  return enqueue(c10d::OpType::ALLREDUCE, tensors, bytes_of(tensor), [this, tensor, op] {
+    Landing landing(tensor);
+    communicator_.reduce(descriptor(OpKind::Allreduce, tensor, bytes_of(tensor), -1, op), landing.buffer,
+                         landing.buffer, ReduceMode::All, op);
+    landing.deliver();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK(!tensors.empty(), "shm backend: allreduce_coalesced needs at least one tensor");
+  const RedOp op = opts.reduceOp.op_;
+  for (const auto& tensor : tensors) {
+    check_cpu_dense(tensor, "allreduce_coalesced");
+    TORCH_CHECK(tensor.scalar_type() == tensors[0].scalar_type(),
+                "shm backend: allreduce_coalesced needs tensors of one dtype, got ", tensors[0].scalar_type(),
+                " and ", tensor.scalar_type());
+  }
+  check_reducible(tensors[0].scalar_type(), op, "allreduce_coalesced");
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors, total_bytes(tensors), [this, tensors, op] {
+    at::Tensor flat = flat_concatenation(tensors);
+    communicator_.reduce(descriptor(OpKind::Allreduce, flat, bytes_of(flat), -1, op), flat, flat, ReduceMode::All,
+                         op);
+    int64_t offset = 0;
+    for (const auto& tensor : tensors) {
+      tensor.copy_(flat.narrow(0, offset, tensor.numel()).view(tensor.sizes()));
+      offset += tensor.numel();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOptions& opts) {
+  const at::Tensor& tensor = single(tensors, "reduce");
+  const RedOp op = opts.reduceOp.op_;
+  const int64_t root = opts.rootRank;
+  check_reducible(tensor.scalar_type(), op, "reduce");
+  TORCH_CHECK(root >= 0 && root < size_, "shm backend: reduce root ", root, " is not a rank of this group");
+  return enqueue(c10d::OpType::REDUCE, tensors, bytes_of(tensor), [this, tensor, op, root] {
+    Landing landing(tensor);
+    communicator_.reduce(descriptor(OpKind::Reduce, tensor, bytes_of(tensor), root, op), landing.buffer,
+                         landing.buffer, ReduceMode::Root, op);
+    if (rank_ == root) {
+      landing.deliver();
+    }
+  });
+}
+
+void ProcessGroupShm::all_gather_into(const at::Tensor& output, const at::Tensor& input) {
+  const at::Tensor source = input.contiguous();
+  Landing landing(output);
+  const uint64_t bytes = bytes_of(source);
+  std::vector<Want> wants;
+  for (int rank = 0; rank < size_; ++rank) {
+    wants.push_back({rank, 0, bytes, landing.data() + rank * bytes});
+  }
+  communicator_.exchange(descriptor(OpKind::Allgather, source, bytes),
+                         static_cast<const char*>(source.const_data_ptr()), bytes, wants);
+  landing.deliver();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const at::Tensor& input = single(inputs, "allgather");
+  TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<std::size_t>(size_),
+              "shm backend: allgather needs one output list of ", size_, " tensors");
+  for (const auto& output : outputs[0]) {
+    check_same(output, input, "allgather", "output tensor");
+  }
+  return enqueue(c10d::OpType::ALLGATHER, outputs[0], size_ * bytes_of(input), [this, input, outputs = outputs[0]] {
+    at::Tensor gathered = at::empty({size_ * input.numel()}, input.options());
+    all_gather_into(gathered, input);
+    for (int rank = 0; rank < size_; ++rank) {
+      outputs[rank].copy_(gathered.narrow(0, rank * input.numel(), input.numel()).view(outputs[rank].sizes()));
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::AllgatherOptions& opts) {
+  check_cpu_dense(input, "allgather_into_tensor");
+  check_cpu_dense(output, "allgather_into_tensor");
+  TORCH_CHECK(output.scalar_type() == input.scalar_type() && output.numel() == size_ * input.numel(),
+              "shm backend: allgather_into_tensor needs an output of ", size_, " x the input (", input.numel(),
+              " elements of ", input.scalar_type(), "), got ", output.numel(), " of ", output.scalar_type());
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, {output}, bytes_of(output), [this, output, input] { all_gather_into(output, input); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "shm backend: allgather_into_tensor_coalesced needs as many outputs (",
+              outputs.size(), ") as inputs (", inputs.size(), ")");
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    check_cpu_dense(inputs[i], "allgather_into_tensor_coalesced");
+    TORCH_CHECK(outputs[i].scalar_type() == inputs[i].scalar_type() && outputs[i].numel() == size_ * inputs[i].numel(),
+                "shm backend: allgather_into_tensor_coalesced: output ", i, " must hold ", size_, " x input ", i);
+  }
+  return enqueue(c10d::OpType::COALESCED, outputs, total_bytes(outputs), [this, outputs, inputs] {
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      all_gather_into(outputs[i], inputs[i]);
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  const at::Tensor& input = single(inputs, "gather");
+  const int64_t root = opts.rootRank;
+  TORCH_CHECK(root >= 0 && root < size_, "shm backend: gather root ", root, " is not a rank of this group");
+  std::vector<at::Tensor> landing_tensors;
+  if (rank_ == root) {
+    TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<std::size_t>(size_),
+                "shm backend: gather needs one output list of ", size_, " tensors on the root");
+    for (const auto& output : outputs[0]) {
+      check_same(output, input, "gather", "output tensor");
+    }
+    landing_tensors = outputs[0];
+  } else {
+    TORCH_CHECK(outputs.empty() || outputs[0].empty(), "shm backend: gather takes output tensors on the root only");
+  }
+  return enqueue(c10d::OpType::GATHER, landing_tensors, size_ * bytes_of(input), [this, input, landing_tensors, root] {
+    const at::Tensor source = input.contiguous();
+    const uint64_t bytes = bytes_of(source);
+    std::vector<Landing> landings(landing_tensors.begin(), landing_tensors.end());
+    std::vector<Want> wants;
+    for (int rank = 0; rank < static_cast<int>(landings.size()); ++rank) {
+      wants.push_back({rank, 0, bytes, landings[rank].data()});
+    }
+    communicator_.exchange(descriptor(OpKind::Gather, source, bytes, root),
+                           static_cast<const char*>(source.const_data_ptr()), bytes, wants);
+    for (const auto& landing : landings) {
+      landing.deliver();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  const at::Tensor& output = single(outputs, "scatter");
+  const int64_t root = opts.rootRank;
+  TORCH_CHECK(root >= 0 && root < size_, "shm backend: scatter root ", root, " is not a rank of this group");
+  at::Tensor stream;
+  if (rank_ == root) {
+    TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<std::size_t>(size_),
+                "shm backend: scatter needs one input list of ", size_, " tensors on the root");
+    for (const auto& input : inputs[0]) {
+      check_same(input, output, "scatter", "input tensor");
+    }
+    stream = flat_concatenation(inputs[0]);
+  } else {
+    TORCH_CHECK(inputs.empty() || inputs[0].empty(), "shm backend: scatter takes input tensors on the root only");
+  }
+  return enqueue(c10d::OpType::SCATTER, outputs, size_ * bytes_of(output), [this, output, stream, root] {
+    Landing landing(output);
+    const uint64_t bytes = bytes_of(output);
+    const std::vector<Want> wants{{static_cast<int>(root), rank_ * bytes, bytes, landing.data()}};
+    const bool sending = rank_ == root;
+    communicator_.exchange(descriptor(OpKind::Scatter, output, bytes, root),
+                           sending ? static_cast<const char*>(stream.const_data_ptr()) : nullptr,
+                           sending ? bytes_of(stream) : 0, wants);
+    landing.deliver();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const at::Tensor& output = single(outputs, "reduce_scatter");
+  const RedOp op = opts.reduceOp.op_;
+  check_reducible(output.scalar_type(), op, "reduce_scatter");
+  TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<std::size_t>(size_),
+              "shm backend: reduce_scatter needs one input list of ", size_, " tensors");
+  for (const auto& input : inputs[0]) {
+    check_same(input, output, "reduce_scatter", "input tensor");
+  }
+  return enqueue(c10d::OpType::REDUCE_SCATTER, outputs, size_ * bytes_of(output), [this, output, inputs = inputs[0], op] {
+    const at::Tensor flat = flat_concatenation(inputs);
+    Landing landing(output);
+    communicator_.reduce(descriptor(OpKind::ReduceScatter, flat, bytes_of(flat), -1, op), flat, landing.buffer,
+                         ReduceMode::Scatter, op);
+    landing.deliver();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  check_cpu_dense(input, "reduce_scatter_tensor");
+  check_cpu_dense(output, "reduce_scatter_tensor");
+  const RedOp op = opts.reduceOp.op_;
+  check_reducible(input.scalar_type(), op, "reduce_scatter_tensor");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.numel() == size_ * output.numel(),
+              "shm backend: reduce_scatter_tensor needs an input of ", size_, " x the output (", output.numel(),
+              " elements of ", output.scalar_type(), "), got ", input.numel(), " of ", input.scalar_type());
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, bytes_of(input), [this, output, input, op] {
+    const at::Tensor source = input.contiguous();
+    Landing landing(output);
+    communicator_.reduce(descriptor(OpKind::ReduceScatter, source, bytes_of(source), -1, op), source,
+                         landing.buffer, ReduceMode::Scatter, op);
+    landing.deliver();
+  });
+}
+
+void ProcessGroupShm::exchange_all_to_all(
+    const at::Tensor& output,
+    const at::Tensor& input,
+    std::vector<int64_t> output_splits,
+    std::vector<int64_t> input_splits,
+    int64_t row_bytes) {
+  // First every rank learns every rank's splits, so all can check that they fit together.
+  const std::size_t world = static_cast<std::size_t>(size_);
+  std::vector<int64_t> mine(input_splits);
+  mine.insert(mine.end(), output_splits.begin(), output_splits.end());
+  std::vector<int64_t> all(2 * world * world);
+  std::vector<Want> wants;
+  const uint64_t split_bytes = 2 * world * sizeof(int64_t);
+  for (int rank = 0; rank < size_; ++rank) {
+    wants.push_back({rank, 0, split_bytes, reinterpret_cast<char*>(all.data() + 2 * world * rank)});
+  }
+  OpDescriptor splits_descriptor = descriptor(OpKind::AllToAll, input, split_bytes);
+  splits_descriptor.dtype = static_cast<int32_t>(c10::kLong);
+  communicator_.exchange(splits_descriptor, reinterpret_cast<const char*>(mine.data()), split_bytes, wants);
+  auto sends = [&](std::size_t from, std::size_t to) { return all[2 * world * from + to]; };
+  auto expects = [&](std::size_t at, std::size_t from) { return all[2 * world * at + world + from]; };
+  for (std::size_t from = 0; from < world; ++from) {
+    for (std::size_t to = 0; to < world; ++to) {
+      TORCH_CHECK(sends(from, to) == expects(to, from), "shm backend: alltoall split sizes do not fit: rank ", from,
+                  " sends ", sends(from, to), " rows to rank ", to, ", which expects ", expects(to, from));
+    }
+  }
+
+  Landing landing(output);
+  const at::Tensor source = input.contiguous();
+  wants.clear();
+  int64_t received = 0;
+  for (std::size_t from = 0; from < world; ++from) {
+    int64_t offset = 0;
+    for (std::size_t to = 0; to < static_cast<std::size_t>(rank_); ++to) {
+      offset += sends(from, to);
+    }
+    const int64_t rows = sends(from, rank_);
+    wants.push_back({static_cast<int>(from), static_cast<uint64_t>(offset * row_bytes),
+                     static_cast<uint64_t>(rows * row_bytes), landing.data() + received * row_bytes});
+    received += rows;
+  }
+  communicator_.exchange(descriptor(OpKind::AllToAll, source, static_cast<uint64_t>(row_bytes)),
+                         static_cast<const char*>(source.const_data_ptr()), bytes_of(source), wants);
+  landing.deliver();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    std::vector<int64_t>& output_splits,
+    std::vector<int64_t>& input_splits,
+    const c10d::AllToAllOptions& opts) {
+  check_cpu_dense(input, "alltoall");
+  check_cpu_dense(output, "alltoall");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type(), "shm backend: alltoall needs input and output of one dtype");
+  auto resolve = [this](const at::Tensor& tensor, const std::vector<int64_t>& splits, const char* which) {
+    const int64_t rows = tensor.dim() == 0 ? 1 : tensor.size(0);
+    if (splits.empty()) {
+      TORCH_CHECK(rows % size_ == 0, "shm backend: alltoall without splits needs the ", which, "'s first dimension (",
+                  rows, ") divisible by the group size ", size_);
+      return std::vector<int64_t>(size_, rows / size_);
+    }
+    TORCH_CHECK(splits.size() == static_cast<std::size_t>(size_), "shm backend: alltoall needs ", size_, " ", which,
+                " split sizes, got ", splits.size());
+    int64_t total = 0;
+    for (int64_t split : splits) {
+      TORCH_CHECK(split >= 0, "shm backend: alltoall split sizes must not be negative");
+      total += split;
+    }
+    TORCH_CHECK(total == rows, "shm backend: alltoall ", which, " splits add up to ", total, " rows, the ", which,
+                " has ", rows);
+    return splits;
+  };
+  const auto ins = resolve(input, input_splits, "input");
+  const auto outs = resolve(output, output_splits, "output");
+  const int64_t rows = input.dim() == 0 ? 1 : input.size(0);
+  const int64_t row_bytes = rows == 0 ? 0 : static_cast<int64_t>(bytes_of(input)) / rows;
+  return enqueue(c10d::OpType::ALLTOALL_BASE, {output}, bytes_of(input), [this, output, input, ins, outs, row_bytes] {
+    exchange_all_to_all(output, input, outs, ins, row_bytes);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& opts) {
+  TORCH_CHECK(inputs.size() == static_cast<std::size_t>(size_) && outputs.size() == inputs.size(),
+              "shm backend: alltoall needs ", size_, " input and ", size_, " output tensors");
+  std::vector<int64_t> ins;
+  std::vector<int64_t> outs;
+  for (int rank = 0; rank < size_; ++rank) {
+    check_cpu_dense(inputs[rank], "alltoall");
+    check_cpu_dense(outputs[rank], "alltoall");
+    TORCH_CHECK(inputs[rank].scalar_type() == inputs[0].scalar_type() &&
+                    outputs[rank].scalar_type() == inputs[0].scalar_type(),
+                "shm backend: alltoall needs tensors of one dtype");
+    ins.push_back(inputs[rank].numel());
+    outs.push_back(outputs[rank].numel());
+  }
+  return enqueue(c10d::OpType::ALLTOALL, outputs, total_bytes(inputs), [this, outputs, inputs, ins, outs] {
+    const at::Tensor flat_in = flat_concatenation(inputs);
+    int64_t total = 0;
+    for (int64_t n : outs) {
+      total += n;
+    }
+    at::Tensor flat_out = at::empty({total}, flat_in.options());
+    exchange_all_to_all(flat_out, flat_in, outs, ins, static_cast<int64_t>(flat_in.element_size()));
+    int64_t offset = 0;
+    for (int rank = 0; rank < size_; ++rank) {
+      outputs[rank].copy_(flat_out.narrow(0, offset, outs[rank]).view(outputs[rank].sizes()));
+      offset += outs[rank];
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& opts) {
+  return enqueue(c10d::OpType::BARRIER, {}, 0, [this] {
+    OpDescriptor d{};
+    d.op = static_cast<uint32_t>(OpKind::Barrier);
+    d.root = -1;
+    communicator_.exchange(d, nullptr, 0, {});
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  return point_to_point_->send(tensors, dst, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  return point_to_point_->recv(tensors, src, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return point_to_point_->recvAnysource(tensors, tag);
+}
+
+c10::intrusive_ptr<c10d::Backend> make_shm_backend(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout) {
+  return c10::make_intrusive<ProcessGroupShm>(store, rank, size, timeout);
+}
+
+} // namespace torchpar::comm::shm

@@ -1,0 +1,100 @@
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <torchpar/comm/shm/communicator.h>
+#include <torchpar/comm/shm/shm_work.h>
+
+namespace torchpar::comm::shm {
+
+// torchpar's c10d backend for CPU tensors of ranks on one host: collectives through a shared
+// memory segment instead of loopback TCP. Registered as "shm" (C++ init_process_group, and
+// torch.distributed once `import torchpar` ran). Point-to-point ops (send/recv) go through a
+// Gloo backend it keeps beside the segment.
+class ProcessGroupShm : public c10d::Backend {
+ public:
+  ProcessGroupShm(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout);
+  ~ProcessGroupShm() override;
+
+  const std::string getBackendName() const override {
+    return "shm";
+  }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+      std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+ private:
+  using Task = std::function<void()>;
+  // Runs `task` on the backend's thread, in call order; a small task finding nothing ahead of it
+  // runs at once on the calling thread instead (two thread hand-offs would cost more than the op).
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs, uint64_t bytes,
+                                         Task task);
+  static void execute(ShmWork& work, const Task& task);
+  void run_tasks();
+  // alltoall_base on flat row-major buffers; splits are in rows of `row_bytes`.
+  void exchange_all_to_all(const at::Tensor& output, const at::Tensor& input, std::vector<int64_t> output_splits,
+                           std::vector<int64_t> input_splits, int64_t row_bytes);
+  void all_gather_into(const at::Tensor& output, const at::Tensor& input);
+
+  Communicator communicator_;
+  c10::intrusive_ptr<c10d::Backend> point_to_point_;
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::pair<c10::intrusive_ptr<ShmWork>, Task>> queue_;
+  bool stopping_ = false;
+  bool running_ = false; // a task is executing, on the backend's thread or a caller's
+  std::thread worker_;
+};
+
+// The backend, for torchpar's backend factory and for torch.distributed's registration.
+c10::intrusive_ptr<c10d::Backend> make_shm_backend(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout);
+
+} // namespace torchpar::comm::shm

@@ -1,0 +1,138 @@
+#include <torchpar/comm/shm/progress.h>
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+namespace torchpar::comm::shm {
+namespace {
+
+// A peer that is running answers within microseconds; one that was descheduled (more ranks than
+// cores) within a time slice. So: spin a little, then yield the core for a while, then sleep.
+constexpr std::chrono::microseconds kSpinFor{20};
+constexpr std::chrono::microseconds kYieldFor{200};
+// How long one futex sleep lasts at most: between sleeps the waiter checks the deadline and
+// whether the ranks it waits for are still alive.
+constexpr std::chrono::milliseconds kSleepSlice{50};
+
+bool reached(uint32_t value, uint32_t target) {
+  return static_cast<int32_t>(value - target) >= 0; // counters wrap
+}
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Gone, or a zombie waiting to be reaped: either way it will never advance again.
+bool process_dead(int pid) {
+  if (::kill(pid, 0) != 0 && errno == ESRCH) {
+    return true;
+  }
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) {
+    return false;
+  }
+  const auto close = text.rfind(')');
+  return close != std::string::npos && close + 2 < text.size() && text[close + 2] == 'Z';
+}
+
+void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::nanoseconds timeout) {
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+std::string ranks_behind(RankControl* controls, int world, uint32_t target, const std::vector<int>& dead) {
+  std::ostringstream text;
+  text << "rank(s)";
+  for (int rank = 0; rank < world; ++rank) {
+    if (!reached(controls[rank].progress.load(std::memory_order_acquire), target)) {
+      text << " " << rank;
+      for (int d : dead) {
+        if (d == rank) {
+          text << " (process " << controls[rank].pid << " has exited)";
+        }
+      }
+    }
+  }
+  return text.str();
+}
+
+} // namespace
+
+void advance(RankControl& mine) {
+  mine.progress.fetch_add(1, std::memory_order_acq_rel);
+  if (mine.sleepers.load(std::memory_order_acquire) > 0) {
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&mine.progress), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  }
+}
+
+void wait_for_all(
+    RankControl* controls,
+    int world,
+    uint32_t target,
+    std::chrono::steady_clock::time_point deadline,
+    const std::function<std::string()>& what) {
+  for (int rank = 0; rank < world; ++rank) {
+    auto& progress = controls[rank].progress;
+    uint32_t value = progress.load(std::memory_order_acquire);
+    if (!reached(value, target)) {
+      const auto started = std::chrono::steady_clock::now();
+      for (int spin = 1; !reached(value, target); ++spin) {
+        if (spin % 64 == 0) {
+          const auto waited = std::chrono::steady_clock::now() - started;
+          if (waited > kSpinFor + kYieldFor) {
+            break;
+          }
+          if (waited > kSpinFor) {
+            sched_yield();
+          }
+        }
+        cpu_relax();
+        value = progress.load(std::memory_order_acquire);
+      }
+    }
+    while (!reached(value, target)) {
+      const auto now = std::chrono::steady_clock::now();
+      const bool dead = process_dead(controls[rank].pid);
+      if (now >= deadline || dead) {
+        std::vector<int> dead_ranks;
+        for (int r = 0; r < world; ++r) {
+          if (process_dead(controls[r].pid)) {
+            dead_ranks.push_back(r);
+          }
+        }
+        const std::string behind = ranks_behind(controls, world, target, dead_ranks);
+        if (dead) {
+          C10_THROW_ERROR(DistBackendError,
+                          what() + " failed: " + behind + " died before taking part");
+        }
+        C10_THROW_ERROR(DistBackendError,
+                        what() + " timed out: " + behind + " did not take part within the group's timeout");
+      }
+      controls[rank].sleepers.fetch_add(1, std::memory_order_acq_rel);
+      value = progress.load(std::memory_order_acquire);
+      if (!reached(value, target)) {
+        futex_wait(progress, value, std::min<std::chrono::nanoseconds>(kSleepSlice, deadline - now));
+      }
+      controls[rank].sleepers.fetch_sub(1, std::memory_order_acq_rel);
+      value = progress.load(std::memory_order_acquire);
+    }
+  }
+}
+
+} // namespace torchpar::comm::shm
