@@ -88,10 +88,10 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], results) -> No
         for size in sizes:
             tensor = torch.ones(size // 4, dtype=torch.float32)
             gathered = torch.empty(world * tensor.numel(), dtype=torch.float32)
-            # Estimate with Gloo (the slower), then time both backends with the same count.
-            probe = time_op(op, groups["gloo"], tensor, gathered, control, 1)
-            iterations = max(3, min(2000, int(TARGET_SECONDS / max(probe, 1e-6))))
             for backend in BACKENDS:
+                # A short probe sets how many iterations fill TARGET_SECONDS for this backend.
+                probe = time_op(op, groups[backend], tensor, gathered, control, 10)
+                iterations = max(5, min(20000, int(TARGET_SECONDS / max(probe, 1e-7))))
                 seconds = time_op(op, groups[backend], tensor, gathered, control, iterations)
                 data = size * (world if op == "allgather" else 1)
                 rows.append(dict(op=op, world=world, backend=backend, bytes=size, seconds=seconds,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing
+import pickle
 import queue
 import time
 import traceback
@@ -53,7 +54,9 @@ def _run_rank(rank, world, port, backend, timeout_s, fn, args, results):
         torchpar.init_process_group(backend=backend, rank=rank, world_size=world, store=_child_store, timeout=timeout)
         value = fn(rank, world, *args)
         dist.destroy_process_group()
-        results.put((rank, True, value, ""))
+        # Plain pickle: the queue's own pickler would pass tensors as shared-memory handles, which
+        # die with this process.
+        results.put((rank, True, pickle.dumps(value), ""))
     except BaseException:  # noqa: BLE001 - every failure of a rank is reported to the parent
         results.put((rank, False, None, traceback.format_exc()))
 
@@ -96,7 +99,7 @@ def launch_ranks(
     while len(outcomes) < world:
         try:
             rank, passed, value, message = results.get(timeout=0.05)
-            record(RankOutcome(rank, passed, value, message))
+            record(RankOutcome(rank, passed, pickle.loads(value) if passed else None, message))
         except queue.Empty:
             pass
         for rank, process in enumerate(processes):
@@ -106,7 +109,7 @@ def launch_ranks(
             try:
                 while True:
                     reported, passed, value, message = results.get(timeout=0.5)
-                    record(RankOutcome(reported, passed, value, message))
+                    record(RankOutcome(reported, passed, pickle.loads(value) if passed else None, message))
             except queue.Empty:
                 pass
             if rank not in outcomes:

@@ -23,16 +23,21 @@ uint64_t ceil_div(uint64_t a, uint64_t b) {
   return (a + b - 1) / b;
 }
 
+const char* reduce_op_name(uint32_t op) {
+  static constexpr const char* kNames[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"};
+  return op < sizeof(kNames) / sizeof(kNames[0]) ? kNames[op] : "unknown";
+}
+
 std::string describe_descriptor(const OpDescriptor& d) {
   std::ostringstream text;
-  text << op_name(static_cast<OpKind>(d.op)) << " of " << c10::toString(static_cast<c10::ScalarType>(d.dtype)) << ", "
-       << d.agreed_bytes << " bytes";
+  text << op_name(static_cast<OpKind>(d.op)) << " of "
+       << c10::getDtypeNames(static_cast<c10::ScalarType>(d.dtype)).first << ", " << d.agreed_bytes << " bytes";
   if (d.root >= 0) {
     text << ", root " << d.root;
   }
   if (static_cast<OpKind>(d.op) == OpKind::Allreduce || static_cast<OpKind>(d.op) == OpKind::Reduce ||
       static_cast<OpKind>(d.op) == OpKind::ReduceScatter) {
-    text << ", reduce op " << d.reduce_op;
+    text << ", " << reduce_op_name(d.reduce_op);
   }
   return text.str();
 }

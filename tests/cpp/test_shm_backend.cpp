@@ -1,0 +1,95 @@
+// The shm backend from C++: torchpar::init_process_group("shm") on forked ranks.
+#include <dirent.h>
+
+#include <set>
+#include <string>
+
+#include "catch_with_torch.h"
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "harness.h"
+
+using torchpar::testing::RankOptions;
+using torchpar::testing::run_on_ranks;
+using Catch::Matchers::Contains;
+
+namespace {
+
+RankOptions shm() {
+  RankOptions options;
+  options.backend = "shm";
+  options.collective_timeout = std::chrono::seconds(30);
+  return options;
+}
+
+std::set<std::string> our_segments() {
+  std::set<std::string> names;
+  if (DIR* directory = ::opendir("/dev/shm")) {
+    while (dirent* entry = ::readdir(directory)) {
+      if (std::string(entry->d_name).rfind("torchpar-", 0) == 0) {
+        names.insert(entry->d_name);
+      }
+    }
+    ::closedir(directory);
+  }
+  return names;
+}
+
+} // namespace
+
+TEST_CASE("shm: allreduce, broadcast and allgather are exact, small and chunked", "[shm]") {
+  const auto before = our_segments();
+  const int world = GENERATE(1, 2, 3, 4);
+  run_on_ranks(world, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    REQUIRE(pg->getBackend(c10::DeviceType::CPU)->getBackendName() == "shm");
+    for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{4099}, int64_t{3} * (1 << 20) + 17}) {
+      std::vector<at::Tensor> sum{at::arange(numel, at::kDouble).remainder(97) + rank};
+      pg->allreduce(sum)->wait();
+      const auto expected = at::arange(numel, at::kDouble).remainder(97) * world + world * (world - 1) / 2.0;
+      CHECK(at::allclose(sum[0], expected, 0, 0));
+
+      std::vector<at::Tensor> shared{rank == 0 ? at::arange(numel, at::kInt) : at::zeros({numel}, at::kInt)};
+      pg->broadcast(shared)->wait();
+      CHECK(at::allclose(shared[0], at::arange(numel, at::kInt), 0, 0));
+
+      std::vector<std::vector<at::Tensor>> gathered(1);
+      for (int r = 0; r < world; ++r) {
+        gathered[0].push_back(at::empty({numel}, at::kFloat));
+      }
+      std::vector<at::Tensor> mine{at::full({numel}, static_cast<double>(rank), at::kFloat)};
+      pg->allgather(gathered, mine)->wait();
+      for (int r = 0; r < world; ++r) {
+        CHECK(at::allclose(gathered[0][r], at::full({numel}, static_cast<double>(r), at::kFloat), 0, 0));
+      }
+    }
+  }, shm());
+  CHECK(our_segments() == before);
+}
+
+TEST_CASE("shm: different calls on different ranks are an error on every rank, then the group goes on",
+          "[shm]") {
+  run_on_ranks(3, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    std::vector<at::Tensor> uneven{at::ones({rank == 2 ? 9 : 8})};
+    CHECK_THROWS_WITH(pg->allreduce(uneven)->wait(),
+                      Contains("different collectives") && Contains("allreduce of float32, 36 bytes"));
+    std::vector<at::Tensor> fine{at::ones({8})};
+    pg->allreduce(fine)->wait();
+    CHECK(at::allclose(fine[0], at::full({8}, static_cast<double>(world)), 0, 0));
+  }, shm());
+}
+
+TEST_CASE("shm: unsupported requests name the op", "[shm]") {
+  run_on_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    std::vector<at::Tensor> integers{at::ones({4}, at::kInt)};
+    CHECK_THROWS_WITH(pg->allreduce(integers, c10d::AllreduceOptions{c10d::ReduceOp::AVG}),
+                      Contains("allreduce with ReduceOp.AVG needs a floating-point tensor"));
+    std::vector<at::Tensor> two{at::ones({4}), at::ones({4})};
+    CHECK_THROWS_WITH(pg->allreduce(two), Contains("allreduce takes exactly one tensor per rank, got 2"));
+  }, shm());
+}
