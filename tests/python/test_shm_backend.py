@@ -317,3 +317,57 @@ def nothing_left_in_dev_shm():
     yield
     after = {name for name in os.listdir("/dev/shm") if name.startswith("torchpar-")}
     assert after <= before, f"left in /dev/shm: {sorted(after - before)}"
+
+
+def simulated_hosts(rank, world, layout):
+    """Ranks grouped into hosts by TORCHPAR_HOST_ID: hierarchical ops must equal Gloo's results."""
+    os.environ["TORCHPAR_HOST_ID"] = layout[rank]
+    shm = dist.new_group(backend="shm")
+    gloo = dist.group.WORLD
+    for numel in [0, 1, 10007, 3 * 1024 * 1024 + 5]:
+        for op in [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT]:
+            def allreduce(group):
+                tensor = contribution(rank, numel, torch.float64)
+                dist.all_reduce(tensor, op=op, group=group)
+                return tensor
+            assert_same(*both(allreduce, shm, gloo), f"hierarchical allreduce {op} x{numel}")
+        averaged = contribution(rank, numel, torch.float64)
+        dist.all_reduce(averaged, op=dist.ReduceOp.AVG, group=shm)
+        torch.testing.assert_close(averaged, sum(contribution(r, numel, torch.float64) for r in range(world)) / world)
+        for root in range(world):
+            def broadcast(group):
+                tensor = contribution(rank, numel, torch.int32)
+                dist.broadcast(tensor, src=root, group=group)
+                return tensor
+            assert_same(*both(broadcast, shm, gloo), f"hierarchical broadcast from {root} x{numel}")
+
+            def reduce(group):
+                tensor = contribution(rank, numel, torch.float32)
+                dist.reduce(tensor, dst=root, group=group)
+                return tensor
+            ours, reference = both(reduce, shm, gloo)
+            if rank == root:
+                assert_same(ours, reference, f"hierarchical reduce to {root} x{numel}")
+            else:  # only the root's tensor changes
+                assert torch.equal(ours, contribution(rank, numel, torch.float32))
+
+        def all_gather(group):
+            outputs = [torch.empty(numel, dtype=torch.bfloat16) for _ in range(world)]
+            dist.all_gather(outputs, contribution(rank, numel, torch.bfloat16), group=group)
+            return torch.cat(outputs)
+        assert_same(*both(all_gather, shm, gloo), f"hierarchical all_gather x{numel}")
+
+        def reduce_scatter(group):  # goes to Gloo between hosts
+            output = torch.empty(numel, dtype=torch.float32)
+            dist.reduce_scatter_tensor(output, contribution(rank, numel * world, torch.float32), group=group)
+            return output
+        assert_same(*both(reduce_scatter, shm, gloo), f"reduce_scatter across hosts x{numel}")
+    dist.barrier(group=shm)
+    dist.destroy_process_group(shm)
+    return True
+
+
+@pytest.mark.parametrize("layout", [("a", "a", "b", "b"), ("a", "b", "a", "b"), ("a", "b", "b")],
+                         ids=["2x2", "interleaved", "1+2"])
+def test_simulated_hosts_give_the_same_results(layout):
+    assert run_on_ranks(len(layout), simulated_hosts, layout) == [True] * len(layout)

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <iomanip>
 #include <random>
 #include <sstream>
@@ -34,22 +36,24 @@ std::string random_token() {
   return text.str();
 }
 
-// Rank 0 creates the segment under a fresh random name and publishes the name through the
-// store; the last rank to map it removes the name, so /dev/shm keeps nothing of ours.
-SharedSegment rendezvous(const c10::intrusive_ptr<c10d::Store>& store, int rank, const SegmentLayout& layout) {
-  const std::string key = "shm/segment";
+// The host's first rank creates the segment under a fresh random name and publishes the name
+// through the store; the last rank of the host to map it removes the name, so /dev/shm keeps
+// nothing of ours.
+SharedSegment rendezvous(const c10::intrusive_ptr<c10d::Store>& store, const HostLayout& hosts,
+                         const SegmentLayout& layout) {
+  const std::string prefix = "shm/host" + std::to_string(hosts.host) + "/";
   SharedSegment segment = [&] {
-    if (rank == 0) {
+    if (hosts.leader()) {
       const std::string name = "/torchpar-" + std::to_string(::getuid()) + "-" + random_token();
       auto created = SharedSegment::create(name, layout.total_bytes());
-      store->set(key, std::vector<uint8_t>(name.begin(), name.end()));
+      store->set(prefix + "segment", std::vector<uint8_t>(name.begin(), name.end()));
       return created;
     }
-    const auto value = store->get(key);
+    const auto value = store->get(prefix + "segment");
     return SharedSegment::open(std::string(value.begin(), value.end()), layout.total_bytes());
   }();
-  if (store->add("shm/mapped", 1) == layout.world) {
-    const auto value = store->get(key);
+  if (store->add(prefix + "mapped", 1) == layout.world) {
+    const auto value = store->get(prefix + "segment");
     SharedSegment::unlink(std::string(value.begin(), value.end()));
   }
   return segment;
@@ -132,9 +136,15 @@ ProcessGroupShm::ProcessGroupShm(
     int size,
     std::chrono::milliseconds timeout)
     : Backend(rank, size),
-      communicator_(rendezvous(store, rank, SegmentLayout{size, kChunkBytes}), SegmentLayout{size, kChunkBytes},
-                    rank, timeout),
-      point_to_point_(make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("p2p/", store), rank, size, timeout)),
+      hosts_(discover_hosts(store, rank, size)),
+      communicator_(
+          rendezvous(store, hosts_, SegmentLayout{static_cast<int>(hosts_.local_ranks().size()), kChunkBytes}),
+          SegmentLayout{static_cast<int>(hosts_.local_ranks().size()), kChunkBytes}, hosts_.local_rank(), timeout),
+      gloo_(make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo/", store), rank, size, timeout)),
+      leaders_(hosts_.host_count() > 1 && hosts_.leader()
+                   ? make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("leaders/", store), hosts_.host,
+                                       hosts_.host_count(), timeout)
+                   : nullptr),
       worker_([this] { run_tasks(); }) {}
 
 ProcessGroupShm::~ProcessGroupShm() {
@@ -149,7 +159,10 @@ ProcessGroupShm::~ProcessGroupShm() {
 void ProcessGroupShm::setTimeout(std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mutex_);
   communicator_.set_timeout(timeout);
-  point_to_point_->setTimeout(timeout);
+  gloo_->setTimeout(timeout);
+  if (leaders_) {
+    leaders_->setTimeout(timeout);
+  }
 }
 
 void ProcessGroupShm::execute(ShmWork& work, const Task& task) {
@@ -208,6 +221,100 @@ void ProcessGroupShm::run_tasks() {
   }
 }
 
+void ProcessGroupShm::host_broadcast(const at::Tensor& buffer, int local_root, int only_to) {
+  const uint64_t bytes = bytes_of(buffer);
+  const int me = communicator_.rank();
+  std::vector<Want> wants;
+  if (me != local_root && (only_to < 0 || me == only_to)) {
+    wants.push_back({local_root, 0, bytes, static_cast<char*>(buffer.data_ptr())});
+  }
+  communicator_.exchange(descriptor(OpKind::Broadcast, buffer, bytes, local_root),
+                         static_cast<const char*>(buffer.const_data_ptr()), me == local_root ? bytes : 0, wants);
+}
+
+void ProcessGroupShm::allreduce_buffer(const at::Tensor& buffer, RedOp op) {
+  if (single_host()) {
+    communicator_.reduce(descriptor(OpKind::Allreduce, buffer, bytes_of(buffer), -1, op), buffer, buffer,
+                         ReduceMode::All, op);
+    return;
+  }
+  // Reduce to each host's leader, allreduce among leaders, broadcast back within each host.
+  const RedOp step = op == RedOp::AVG ? RedOp::SUM : op;
+  communicator_.reduce(descriptor(OpKind::Reduce, buffer, bytes_of(buffer), 0, step), buffer, buffer,
+                       ReduceMode::Root, step);
+  if (leaders_) {
+    std::vector<at::Tensor> tensors{buffer};
+    leaders_->allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp(step)})->wait();
+  }
+  host_broadcast(buffer, 0);
+  if (op == RedOp::AVG) {
+    buffer.div_(size_);
+  }
+}
+
+void ProcessGroupShm::broadcast_buffer(const at::Tensor& buffer, int64_t root) {
+  if (single_host()) {
+    host_broadcast(buffer, static_cast<int>(root));
+    return;
+  }
+  const int root_host = hosts_.host_of_rank[root];
+  if (hosts_.host == root_host) {
+    host_broadcast(buffer, hosts_.local_index_of(static_cast<int>(root)));
+  }
+  if (leaders_) {
+    std::vector<at::Tensor> tensors{buffer};
+    c10d::BroadcastOptions options;
+    options.rootRank = root_host;
+    leaders_->broadcast(tensors, options)->wait();
+  }
+  if (hosts_.host != root_host) {
+    host_broadcast(buffer, 0);
+  }
+}
+
+void ProcessGroupShm::reduce_buffer(const at::Tensor& buffer, int64_t root, RedOp op) {
+  if (single_host()) {
+    communicator_.reduce(descriptor(OpKind::Reduce, buffer, bytes_of(buffer), root, op), buffer, buffer,
+                         ReduceMode::Root, op);
+    return;
+  }
+  // Partial results go through a scratch copy: only the root's tensor may change.
+  const at::Tensor scratch = buffer.clone();
+  const RedOp step = op == RedOp::AVG ? RedOp::SUM : op;
+  communicator_.reduce(descriptor(OpKind::Reduce, scratch, bytes_of(scratch), 0, step), scratch, scratch,
+                       ReduceMode::Root, step);
+  const int root_host = hosts_.host_of_rank[root];
+  if (leaders_) {
+    std::vector<at::Tensor> tensors{scratch};
+    c10d::ReduceOptions options;
+    options.reduceOp = c10d::ReduceOp(step);
+    options.rootRank = root_host;
+    leaders_->reduce(tensors, options)->wait();
+  }
+  if (hosts_.host == root_host) {
+    const int local_root = hosts_.local_index_of(static_cast<int>(root));
+    if (local_root != 0) {
+      host_broadcast(scratch, 0, local_root);
+    }
+    if (rank_ == root) {
+      buffer.copy_(op == RedOp::AVG ? scratch / size_ : scratch);
+    }
+  }
+}
+
+void ProcessGroupShm::barrier_all() {
+  OpDescriptor d{};
+  d.op = static_cast<uint32_t>(OpKind::Barrier);
+  d.root = -1;
+  communicator_.exchange(d, nullptr, 0, {});
+  if (!single_host()) {
+    if (leaders_) {
+      leaders_->barrier()->wait();
+    }
+    communicator_.exchange(d, nullptr, 0, {});
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
@@ -216,14 +323,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(
   TORCH_CHECK(root >= 0 && root < size_, "shm backend: broadcast root ", root, " is not a rank of this group");
   return enqueue(c10d::OpType::BROADCAST, tensors, bytes_of(tensor), [this, tensor, root] {
     Landing landing(tensor);
-    const uint64_t bytes = bytes_of(tensor);
-    const bool sending = rank_ == root;
-    std::vector<Want> wants;
-    if (!sending) {
-      wants.push_back({static_cast<int>(root), 0, bytes, landing.data()});
-    }
-    communicator_.exchange(descriptor(OpKind::Broadcast, tensor, bytes, root), landing.data(), sending ? bytes : 0,
-                           wants);
+    broadcast_buffer(landing.buffer, root);
     landing.deliver();
   });
 }
@@ -236,8 +336,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce(
   check_reducible(tensor.scalar_type(), op, "allreduce");
   return enqueue(c10d::OpType::ALLREDUCE, tensors, bytes_of(tensor), [this, tensor, op] {
     Landing landing(tensor);
-    communicator_.reduce(descriptor(OpKind::Allreduce, tensor, bytes_of(tensor), -1, op), landing.buffer,
-                         landing.buffer, ReduceMode::All, op);
+    allreduce_buffer(landing.buffer, op);
     landing.deliver();
   });
 }
@@ -256,8 +355,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(
   check_reducible(tensors[0].scalar_type(), op, "allreduce_coalesced");
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors, total_bytes(tensors), [this, tensors, op] {
     at::Tensor flat = flat_concatenation(tensors);
-    communicator_.reduce(descriptor(OpKind::Allreduce, flat, bytes_of(flat), -1, op), flat, flat, ReduceMode::All,
-                         op);
+    allreduce_buffer(flat, op);
     int64_t offset = 0;
     for (const auto& tensor : tensors) {
       tensor.copy_(flat.narrow(0, offset, tensor.numel()).view(tensor.sizes()));
@@ -276,8 +374,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(
   TORCH_CHECK(root >= 0 && root < size_, "shm backend: reduce root ", root, " is not a rank of this group");
   return enqueue(c10d::OpType::REDUCE, tensors, bytes_of(tensor), [this, tensor, op, root] {
     Landing landing(tensor);
-    communicator_.reduce(descriptor(OpKind::Reduce, tensor, bytes_of(tensor), root, op), landing.buffer,
-                         landing.buffer, ReduceMode::Root, op);
+    reduce_buffer(landing.buffer, root, op);
     if (rank_ == root) {
       landing.deliver();
     }
@@ -288,12 +385,43 @@ void ProcessGroupShm::all_gather_into(const at::Tensor& output, const at::Tensor
   const at::Tensor source = input.contiguous();
   Landing landing(output);
   const uint64_t bytes = bytes_of(source);
-  std::vector<Want> wants;
-  for (int rank = 0; rank < size_; ++rank) {
-    wants.push_back({rank, 0, bytes, landing.data() + rank * bytes});
+  if (single_host()) {
+    std::vector<Want> wants;
+    for (int rank = 0; rank < size_; ++rank) {
+      wants.push_back({rank, 0, bytes, landing.data() + rank * bytes});
+    }
+    communicator_.exchange(descriptor(OpKind::Allgather, source, bytes),
+                           static_cast<const char*>(source.const_data_ptr()), bytes, wants);
+    landing.deliver();
+    return;
   }
-  communicator_.exchange(descriptor(OpKind::Allgather, source, bytes),
+  // Gather each host's blocks at its leader, allgather the (padded) host blocks among leaders,
+  // put them in rank order, and broadcast the result within each host.
+  std::size_t widest = 0;
+  for (const auto& ranks : hosts_.ranks_on_host) {
+    widest = std::max(widest, ranks.size());
+  }
+  at::Tensor host_blocks = at::empty({static_cast<int64_t>(widest) * source.numel()}, source.options());
+  std::vector<Want> wants;
+  if (hosts_.leader()) {
+    for (std::size_t i = 0; i < hosts_.local_ranks().size(); ++i) {
+      wants.push_back({static_cast<int>(i), 0, bytes, static_cast<char*>(host_blocks.data_ptr()) + i * bytes});
+    }
+  }
+  communicator_.exchange(descriptor(OpKind::Gather, source, bytes, 0),
                          static_cast<const char*>(source.const_data_ptr()), bytes, wants);
+  if (leaders_) {
+    at::Tensor every_host = at::empty({hosts_.host_count() * host_blocks.numel()}, source.options());
+    leaders_->_allgather_base(every_host, host_blocks)->wait();
+    const char* from = static_cast<const char*>(every_host.const_data_ptr());
+    for (int host = 0; host < hosts_.host_count(); ++host) {
+      const auto& ranks = hosts_.ranks_on_host[host];
+      for (std::size_t i = 0; i < ranks.size(); ++i) {
+        std::memcpy(landing.data() + ranks[i] * bytes, from + (host * widest + i) * bytes, bytes);
+      }
+    }
+  }
+  host_broadcast(landing.buffer, 0);
   landing.deliver();
 }
 
@@ -350,6 +478,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
+  if (!single_host()) {
+    return gloo_->gather(outputs, inputs, opts);
+  }
   const at::Tensor& input = single(inputs, "gather");
   const int64_t root = opts.rootRank;
   TORCH_CHECK(root >= 0 && root < size_, "shm backend: gather root ", root, " is not a rank of this group");
@@ -384,6 +515,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
+  if (!single_host()) {
+    return gloo_->scatter(outputs, inputs, opts);
+  }
   const at::Tensor& output = single(outputs, "scatter");
   const int64_t root = opts.rootRank;
   TORCH_CHECK(root >= 0 && root < size_, "shm backend: scatter root ", root, " is not a rank of this group");
@@ -414,6 +548,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (!single_host()) {
+    return gloo_->reduce_scatter(outputs, inputs, opts);
+  }
   const at::Tensor& output = single(outputs, "reduce_scatter");
   const RedOp op = opts.reduceOp.op_;
   check_reducible(output.scalar_type(), op, "reduce_scatter");
@@ -435,6 +572,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
+  if (!single_host()) {
+    return gloo_->_reduce_scatter_base(output, input, opts);
+  }
   check_cpu_dense(input, "reduce_scatter_tensor");
   check_cpu_dense(output, "reduce_scatter_tensor");
   const RedOp op = opts.reduceOp.op_;
@@ -504,6 +644,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(
     std::vector<int64_t>& output_splits,
     std::vector<int64_t>& input_splits,
     const c10d::AllToAllOptions& opts) {
+  if (!single_host()) {
+    return gloo_->alltoall_base(output, input, output_splits, input_splits, opts);
+  }
   check_cpu_dense(input, "alltoall");
   check_cpu_dense(output, "alltoall");
   TORCH_CHECK(input.scalar_type() == output.scalar_type(), "shm backend: alltoall needs input and output of one dtype");
@@ -538,6 +681,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
+  if (!single_host()) {
+    return gloo_->alltoall(outputs, inputs, opts);
+  }
   TORCH_CHECK(inputs.size() == static_cast<std::size_t>(size_) && outputs.size() == inputs.size(),
               "shm backend: alltoall needs ", size_, " input and ", size_, " output tensors");
   std::vector<int64_t> ins;
@@ -568,24 +714,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue(c10d::OpType::BARRIER, {}, 0, [this] {
-    OpDescriptor d{};
-    d.op = static_cast<uint32_t>(OpKind::Barrier);
-    d.root = -1;
-    communicator_.exchange(d, nullptr, 0, {});
-  });
+  return enqueue(c10d::OpType::BARRIER, {}, 0, [this] { barrier_all(); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  return point_to_point_->send(tensors, dst, tag);
+  return gloo_->send(tensors, dst, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  return point_to_point_->recv(tensors, src, tag);
+  return gloo_->recv(tensors, src, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return point_to_point_->recvAnysource(tensors, tag);
+  return gloo_->recvAnysource(tensors, tag);
 }
 
 c10::intrusive_ptr<c10d::Backend> make_shm_backend(

@@ -11,14 +11,17 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <torchpar/comm/shm/communicator.h>
+#include <torchpar/comm/shm/host_layout.h>
 #include <torchpar/comm/shm/shm_work.h>
 
 namespace torchpar::comm::shm {
 
-// torchpar's c10d backend for CPU tensors of ranks on one host: collectives through a shared
-// memory segment instead of loopback TCP. Registered as "shm" (C++ init_process_group, and
-// torch.distributed once `import torchpar` ran). Point-to-point ops (send/recv) go through a
-// Gloo backend it keeps beside the segment.
+// torchpar's c10d backend for CPU tensors: collectives through a shared-memory segment among the
+// ranks of a host instead of loopback TCP. Registered as "shm" (C++ init_process_group, and
+// torch.distributed once `import torchpar` ran). With ranks on several hosts, allreduce,
+// broadcast, reduce, allgather and barrier run hierarchically (shared memory within each host,
+// Gloo between one leader per host) and the other collectives go to Gloo; point-to-point ops
+// (send/recv) always go through a Gloo backend kept beside the segment.
 class ProcessGroupShm : public c10d::Backend {
  public:
   ProcessGroupShm(
@@ -75,12 +78,25 @@ class ProcessGroupShm : public c10d::Backend {
   static void execute(ShmWork& work, const Task& task);
   void run_tasks();
   // alltoall_base on flat row-major buffers; splits are in rows of `row_bytes`.
+  bool single_host() const {
+    return hosts_.host_count() == 1;
+  }
+  // The op bodies, on contiguous buffers, single-host or hierarchical.
+  void allreduce_buffer(const at::Tensor& buffer, c10d::ReduceOp::RedOpType op);
+  void broadcast_buffer(const at::Tensor& buffer, int64_t root);
+  void reduce_buffer(const at::Tensor& buffer, int64_t root, c10d::ReduceOp::RedOpType op);
+  void barrier_all();
+  // Within this host: local rank `local_root` sends `buffer`; every other local rank receives it,
+  // or only `only_to` when given.
+  void host_broadcast(const at::Tensor& buffer, int local_root, int only_to = -1);
   void exchange_all_to_all(const at::Tensor& output, const at::Tensor& input, std::vector<int64_t> output_splits,
                            std::vector<int64_t> input_splits, int64_t row_bytes);
   void all_gather_into(const at::Tensor& output, const at::Tensor& input);
 
-  Communicator communicator_;
-  c10::intrusive_ptr<c10d::Backend> point_to_point_;
+  HostLayout hosts_;
+  Communicator communicator_; // the ranks of this host
+  c10::intrusive_ptr<c10d::Backend> gloo_; // every rank: point-to-point, and multi-host fallbacks
+  c10::intrusive_ptr<c10d::Backend> leaders_; // one rank per host, on the host leaders only
 
   std::mutex mutex_;
   std::condition_variable wake_;
