@@ -371,3 +371,33 @@ def simulated_hosts(rank, world, layout):
                          ids=["2x2", "interleaved", "1+2"])
 def test_simulated_hosts_give_the_same_results(layout):
     assert run_on_ranks(len(layout), simulated_hosts, layout) == [True] * len(layout)
+
+
+def pipelined_stages(rank, world):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    shm = dist.new_group(backend="shm")
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(world)]
+    stage = PipelineStage(layers[rank], stage_index=rank, num_stages=world, device=torch.device("cpu"), group=shm)
+    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    inputs, targets = torch.randn(16, 8), torch.randn(16, 8)
+    if rank == 0:
+        schedule.step(inputs)
+    elif rank == world - 1:
+        schedule.step(target=targets)
+    else:
+        schedule.step()
+    # The same model on one process, the loss averaged over the same micro-batches.
+    whole = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(world)])
+    for layer, copy in zip(layers, whole):
+        copy.load_state_dict(layer.state_dict())
+    loss = sum(((whole(x) - y) ** 2).mean() for x, y in zip(inputs.chunk(4), targets.chunk(4))) / 4
+    loss.backward()
+    torch.testing.assert_close(layers[rank].weight.grad, whole[rank].weight.grad)
+    dist.destroy_process_group(shm)
+    return True
+
+
+def test_torch_pipelining_runs_on_shm():
+    assert run_on_ranks(3, pipelined_stages) == [True] * 3
