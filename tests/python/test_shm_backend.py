@@ -196,12 +196,13 @@ def test_every_op_and_dtype_matches_gloo(world):
 def concurrent_groups_and_subgroups(rank, world):
     first = dist.new_group(backend="shm")
     second = dist.new_group(backend="shm")
-    a, b = torch.full((1000,), float(rank)), torch.full((3000,), float(rank + 1))
+    # Large enough (> 256 KiB) to run on each group's own backend thread, both at once.
+    a, b = torch.full((100_000,), float(rank)), torch.full((300_000,), float(rank + 1))
     pending = [dist.all_reduce(a, group=first, async_op=True), dist.all_reduce(b, group=second, async_op=True)]
     for work in pending:
         work.wait()
-    assert torch.equal(a, torch.full((1000,), float(sum(range(world)))))
-    assert torch.equal(b, torch.full((3000,), float(sum(range(1, world + 1)))))
+    assert torch.equal(a, torch.full((100_000,), float(sum(range(world)))))
+    assert torch.equal(b, torch.full((300_000,), float(sum(range(1, world + 1)))))
     # A sub-group of the even ranks; the others are not part of it.
     evens = [r for r in range(world) if r % 2 == 0]
     sub = dist.new_group(ranks=evens, backend="shm")

@@ -81,7 +81,7 @@ Communicator::Communicator(
     : segment_(std::move(segment)),
       layout_(layout),
       rank_(rank),
-      timeout_(timeout),
+      timeout_ms_(timeout.count()),
       controls_(reinterpret_cast<RankControl*>(segment_.data() + layout_.controls_offset())) {
   phase_ = mine().progress.load(std::memory_order_acquire);
   mine().pid = static_cast<int32_t>(::getpid());
@@ -94,7 +94,7 @@ void Communicator::start_op(OpDescriptor& descriptor, uint64_t stream_bytes) {
   TORCH_CHECK(failure_.empty(), describe(), ": the group is unusable since an earlier op failed (", failure_,
               "); create a new process group");
   controls_[rank_].descriptors[descriptor.sequence % 2] = descriptor;
-  deadline_ = std::chrono::steady_clock::now() + timeout_;
+  deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_.load());
 }
 
 char* Communicator::slot(int rank) const {

@@ -1,4 +1,5 @@
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -57,8 +58,9 @@ class Communicator {
   int world() const {
     return layout_.world;
   }
+  // May be called from another thread than the one running ops.
   void set_timeout(std::chrono::milliseconds timeout) {
-    timeout_ = timeout;
+    timeout_ms_.store(timeout.count());
   }
 
   // Every rank contributes `stream` (lengths may differ between ranks) and receives `wants`.
@@ -87,7 +89,7 @@ class Communicator {
   SharedSegment segment_;
   SegmentLayout layout_;
   int rank_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<std::chrono::milliseconds::rep> timeout_ms_;
   RankControl* controls_;
   uint64_t round_ = 0; // rounds completed by this group; selects the buffer set
   uint32_t phase_ = 0; // this rank's progress counter

@@ -157,7 +157,6 @@ ProcessGroupShm::~ProcessGroupShm() {
 }
 
 void ProcessGroupShm::setTimeout(std::chrono::milliseconds timeout) {
-  std::lock_guard<std::mutex> lock(mutex_);
   communicator_.set_timeout(timeout);
   gloo_->setTimeout(timeout);
   if (leaders_) {
