@@ -148,18 +148,51 @@ def every_op_matches_gloo(rank, world):
         if gloo_supports(all_to_all_lists, gloo):
             assert_same(*both(all_to_all_lists, shm, gloo), f"all_to_all {dtype}")
 
-    # Large messages: many chunks, both buffer sets, the partitioned reduction.
+    # 64 MiB per rank: many chunks, both buffer sets, the partitioned reduction.
     def big_allreduce(group):
         tensor = contribution(rank, BIG, torch.float32)
         dist.all_reduce(tensor, group=group)
         return tensor
-    assert_same(*both(big_allreduce, shm, gloo), "allreduce 64 MiB")
+
+    def big_reduce(group):
+        tensor = contribution(rank, BIG, torch.float32)
+        dist.reduce(tensor, dst=root, group=group)
+        return tensor if rank == root else torch.empty(0)
 
     def big_broadcast(group):
         tensor = contribution(rank, BIG, torch.float32)
         dist.broadcast(tensor, src=0, group=group)
         return tensor
-    assert_same(*both(big_broadcast, shm, gloo), "broadcast 64 MiB")
+
+    def big_all_gather(group):
+        output = torch.empty(BIG * world)
+        dist.all_gather_into_tensor(output, contribution(rank, BIG, torch.float32), group=group)
+        return output
+
+    def big_reduce_scatter(group):
+        output = torch.empty(BIG // world)
+        dist.reduce_scatter_tensor(output, contribution(rank, BIG // world * world, torch.float32), group=group)
+        return output
+
+    def big_all_to_all(group):
+        output = torch.empty(BIG // world * world)
+        dist.all_to_all_single(output, contribution(rank, BIG // world * world, torch.float32), group=group)
+        return output
+
+    def big_gather(group):
+        outputs = [torch.empty(BIG // world) for _ in range(world)] if rank == root else None
+        dist.gather(contribution(rank, BIG // world, torch.float32), outputs, dst=root, group=group)
+        return torch.cat(outputs) if rank == root else torch.empty(0)
+
+    def big_scatter(group):
+        output = torch.empty(BIG // world)
+        inputs = [contribution(r, BIG // world, torch.float32) for r in range(world)] if rank == root else None
+        dist.scatter(output, inputs, src=root, group=group)
+        return output
+
+    for big in (big_allreduce, big_reduce, big_broadcast, big_all_gather, big_reduce_scatter, big_all_to_all,
+                big_gather, big_scatter):
+        assert_same(*both(big, shm, gloo), f"{big.__name__} (64 MiB)")
 
     # Non-contiguous tensors (a transposed view) are read and written through their strides.
     def strided(group):
