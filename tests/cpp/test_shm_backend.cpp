@@ -89,6 +89,13 @@ TEST_CASE("shm: unsupported requests name the op", "[shm]") {
     std::vector<at::Tensor> integers{at::ones({4}, at::kInt)};
     CHECK_THROWS_WITH(pg->allreduce(integers, c10d::AllreduceOptions{c10d::ReduceOp::AVG}),
                       Contains("allreduce with ReduceOp.AVG needs a floating-point tensor"));
+    std::vector<at::Tensor> float8{at::ones({4}).to(at::kFloat8_e4m3fn)};
+    CHECK_THROWS_WITH(pg->allreduce(float8), Contains("allreduce cannot reduce tensors of dtype Float8_e4m3fn"));
+    std::vector<at::Tensor> rows{at::ones({4, 3})};
+    std::vector<at::Tensor> other_rows{at::ones({6, 2})};
+    std::vector<int64_t> no_splits;
+    CHECK_THROWS_WITH(pg->alltoall_base(other_rows[0], rows[0], no_splits, no_splits),
+                      Contains("alltoall needs input and output rows of one shape"));
     std::vector<at::Tensor> two{at::ones({4}), at::ones({4})};
     CHECK_THROWS_WITH(pg->allreduce(two), Contains("allreduce takes exactly one tensor per rank, got 2"));
   }, shm());

@@ -140,6 +140,15 @@ def every_op_matches_gloo(rank, world):
             return output
         assert_same(*both(all_to_all_uneven, shm, gloo), f"all_to_all_single uneven {dtype}")
 
+        def all_to_all_rank0_sends_nothing(group):
+            sends = [0 if rank == 0 else d + 1 for d in range(world)]
+            receives = [0 if s == 0 else rank + 1 for s in range(world)]
+            source = contribution(rank, sum(sends) * 2, dtype).view(-1, 2)
+            output = torch.empty(sum(receives), 2, dtype=dtype)
+            dist.all_to_all_single(output, source, receives, sends, group=group)
+            return output
+        assert_same(*both(all_to_all_rank0_sends_nothing, shm, gloo), f"all_to_all_single, empty rank {dtype}")
+
         def all_to_all_lists(group):
             inputs = [contribution(rank * world + d, d + 2, dtype) for d in range(world)]
             outputs = [torch.empty(rank + 2, dtype=dtype) for _ in range(world)]

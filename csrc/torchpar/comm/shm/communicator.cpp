@@ -85,6 +85,7 @@ Communicator::Communicator(
       controls_(reinterpret_cast<RankControl*>(segment_.data() + layout_.controls_offset())) {
   phase_ = mine().progress.load(std::memory_order_acquire);
   mine().pid = static_cast<int32_t>(::getpid());
+  mine().pid_namespace = pid_namespace();
 }
 
 void Communicator::start_op(OpDescriptor& descriptor, uint64_t stream_bytes) {
@@ -109,10 +110,21 @@ std::string Communicator::describe() const {
 void Communicator::meet() {
   advance(mine());
   ++phase_;
+  wait_for_all(controls_, world(), phase_, deadline_, [this] { return describe(); });
+}
+
+template <typename Rounds>
+void Communicator::run(Rounds&& rounds) {
+  mismatch_ = false;
   try {
-    wait_for_all(controls_, world(), phase_, deadline_, [this] { return describe(); });
+    rounds();
   } catch (const c10::Error& e) {
-    failure_ = e.what_without_backtrace();
+    if (!mismatch_) {
+      failure_ = e.what_without_backtrace();
+    }
+    throw;
+  } catch (const std::exception& e) {
+    failure_ = e.what();
     throw;
   }
 }
@@ -137,6 +149,7 @@ uint64_t Communicator::check_descriptors() {
   }
   if (!differing.empty()) {
     ++round_; // the round is over on every rank: the group stays usable
+    mismatch_ = true;
     std::ostringstream text;
     text << describe() << ": the ranks called different collectives; this rank: " << describe_descriptor(current_);
     for (int rank : differing) {
@@ -154,24 +167,26 @@ void Communicator::exchange(
     uint64_t stream_bytes,
     const std::vector<Want>& wants) {
   start_op(descriptor, stream_bytes);
-  const uint64_t chunk = layout_.chunk_bytes;
-  uint64_t rounds = 1;
-  for (uint64_t k = 0; k < rounds; ++k) {
-    const uint64_t begin = k * chunk;
-    const uint64_t end = begin + chunk;
-    publish(stream + std::min(begin, stream_bytes), stream_bytes > begin ? std::min(chunk, stream_bytes - begin) : 0);
-    if (k == 0) {
-      rounds = std::max<uint64_t>(1, ceil_div(check_descriptors(), chunk));
-    }
-    for (const Want& want : wants) {
-      const uint64_t from = std::max(begin, want.offset);
-      const uint64_t to = std::min(end, want.offset + want.length);
-      if (from < to) {
-        std::memcpy(want.destination + (from - want.offset), slot(want.source) + (from - begin), to - from);
+  run([&] {
+    const uint64_t chunk = layout_.chunk_bytes;
+    uint64_t rounds = 1;
+    for (uint64_t k = 0; k < rounds; ++k) {
+      const uint64_t begin = k * chunk;
+      const uint64_t end = begin + chunk;
+      publish(stream + std::min(begin, stream_bytes), stream_bytes > begin ? std::min(chunk, stream_bytes - begin) : 0);
+      if (k == 0) {
+        rounds = std::max<uint64_t>(1, ceil_div(check_descriptors(), chunk));
       }
+      for (const Want& want : wants) {
+        const uint64_t from = std::max(begin, want.offset);
+        const uint64_t to = std::min(end, want.offset + want.length);
+        if (from < to) {
+          std::memcpy(want.destination + (from - want.offset), slot(want.source) + (from - begin), to - from);
+        }
+      }
+      ++round_;
     }
-    ++round_;
-  }
+  });
 }
 
 void Communicator::reduce(
@@ -184,68 +199,70 @@ void Communicator::reduce(
   const int64_t element = static_cast<int64_t>(input.element_size());
   const int64_t numel = input.numel();
   start_op(descriptor, static_cast<uint64_t>(numel * element));
+  run([&] {
 
-  const int64_t per_chunk = static_cast<int64_t>(layout_.chunk_bytes) / element;
-  const uint64_t rounds = std::max<uint64_t>(1, ceil_div(static_cast<uint64_t>(numel), per_chunk));
-  const bool one_shot = mode == ReduceMode::All && rounds == 1 && descriptor.stream_bytes <= kOneShotBytes;
-  const int64_t block = mode == ReduceMode::Scatter ? numel / world() : 0;
-  const char* in = static_cast<const char*>(input.const_data_ptr());
-  char* out = static_cast<char*>(output.data_ptr());
-  std::vector<const void*> sources(world());
-  auto gather_sources = [&](int64_t first) {
-    for (int rank = 0; rank < world(); ++rank) {
-      sources[rank] = slot(rank) + (first % per_chunk) * element;
-    }
-  };
+    const int64_t per_chunk = static_cast<int64_t>(layout_.chunk_bytes) / element;
+    const uint64_t rounds = std::max<uint64_t>(1, ceil_div(static_cast<uint64_t>(numel), per_chunk));
+    const bool one_shot = mode == ReduceMode::All && rounds == 1 && descriptor.stream_bytes <= kOneShotBytes;
+    const int64_t block = mode == ReduceMode::Scatter ? numel / world() : 0;
+    const char* in = static_cast<const char*>(input.const_data_ptr());
+    char* out = static_cast<char*>(output.data_ptr());
+    std::vector<const void*> sources(world());
+    auto gather_sources = [&](int64_t first) {
+      for (int rank = 0; rank < world(); ++rank) {
+        sources[rank] = slot(rank) + (first % per_chunk) * element;
+      }
+    };
 
-  for (uint64_t k = 0; k < rounds; ++k) {
-    const int64_t begin = static_cast<int64_t>(k) * per_chunk;
-    const int64_t end = std::min(numel, begin + per_chunk);
-    publish(in + begin * element, static_cast<uint64_t>((end - begin) * element));
-    if (k == 0) {
-      check_descriptors();
-    }
-    if (mode == ReduceMode::Root) {
-      if (rank_ == descriptor.root) {
+    for (uint64_t k = 0; k < rounds; ++k) {
+      const int64_t begin = static_cast<int64_t>(k) * per_chunk;
+      const int64_t end = std::min(numel, begin + per_chunk);
+      publish(in + begin * element, static_cast<uint64_t>((end - begin) * element));
+      if (k == 0) {
+        check_descriptors();
+      }
+      if (mode == ReduceMode::Root) {
+        if (rank_ == descriptor.root) {
+          gather_sources(begin);
+          reduce_slices(out + begin * element, sources, end - begin, dtype, op);
+        }
+      } else if (mode == ReduceMode::Scatter) {
+        const int64_t from = std::max(begin, rank_ * block);
+        const int64_t to = std::min(end, (rank_ + 1) * block);
+        if (from < to) {
+          gather_sources(from);
+          reduce_slices(out + (from - rank_ * block) * element, sources, to - from, dtype, op);
+        }
+      } else if (one_shot) {
         gather_sources(begin);
         reduce_slices(out + begin * element, sources, end - begin, dtype, op);
-      }
-    } else if (mode == ReduceMode::Scatter) {
-      const int64_t from = std::max(begin, rank_ * block);
-      const int64_t to = std::min(end, (rank_ + 1) * block);
-      if (from < to) {
-        gather_sources(from);
-        reduce_slices(out + (from - rank_ * block) * element, sources, to - from, dtype, op);
-      }
-    } else if (one_shot) {
-      gather_sources(begin);
-      reduce_slices(out + begin * element, sources, end - begin, dtype, op);
-    } else {
-      // Each rank reduces one partition of the chunk into its own slot (and output), then every
-      // rank copies the other partitions from their owners' slots.
-      const int64_t align = std::max<int64_t>(1, kPartitionAlignBytes / element);
-      const int64_t part = (ceil_div(static_cast<uint64_t>(end - begin), world()) + align - 1) / align * align;
-      auto part_range = [&](int rank) {
-        const int64_t from = std::min(end, begin + rank * part);
-        return std::make_pair(from, std::min(end, from + part));
-      };
-      const auto [from, to] = part_range(rank_);
-      if (from < to) {
-        gather_sources(from);
-        reduce_slices(out + from * element, sources, to - from, dtype, op);
-        std::memcpy(slot(rank_) + (from - begin) * element, out + from * element, (to - from) * element);
-      }
-      meet();
-      for (int rank = 0; rank < world(); ++rank) {
-        const auto [theirs_from, theirs_to] = part_range(rank);
-        if (rank != rank_ && theirs_from < theirs_to) {
-          std::memcpy(out + theirs_from * element, slot(rank) + (theirs_from - begin) * element,
-                      (theirs_to - theirs_from) * element);
+      } else {
+        // Each rank reduces one partition of the chunk into its own slot (and output), then every
+        // rank copies the other partitions from their owners' slots.
+        const int64_t align = std::max<int64_t>(1, kPartitionAlignBytes / element);
+        const int64_t part = (ceil_div(static_cast<uint64_t>(end - begin), world()) + align - 1) / align * align;
+        auto part_range = [&](int rank) {
+          const int64_t from = std::min(end, begin + rank * part);
+          return std::make_pair(from, std::min(end, from + part));
+        };
+        const auto [from, to] = part_range(rank_);
+        if (from < to) {
+          gather_sources(from);
+          reduce_slices(out + from * element, sources, to - from, dtype, op);
+          std::memcpy(slot(rank_) + (from - begin) * element, out + from * element, (to - from) * element);
+        }
+        meet();
+        for (int rank = 0; rank < world(); ++rank) {
+          const auto [theirs_from, theirs_to] = part_range(rank);
+          if (rank != rank_ && theirs_from < theirs_to) {
+            std::memcpy(out + theirs_from * element, slot(rank) + (theirs_from - begin) * element,
+                        (theirs_to - theirs_from) * element);
+          }
         }
       }
+      ++round_;
     }
-    ++round_;
-  }
+  });
 }
 
 } // namespace torchpar::comm::shm

@@ -83,6 +83,11 @@ class Communicator {
   // After the first round: every rank's descriptor must match; returns the longest stream.
   uint64_t check_descriptors();
   std::string describe() const;
+  // Runs an op's rounds. An exception that left the ranks out of step (a timeout, a dead peer, a
+  // failure on some ranks only) makes the group unusable; a mismatch found in the first round,
+  // which every rank detects alike, does not.
+  template <typename Rounds>
+  void run(Rounds&& rounds);
   // Starts op `descriptor`: refuses to when an earlier op left the ranks out of step.
   void start_op(OpDescriptor& descriptor, uint64_t stream_bytes);
 
@@ -96,6 +101,7 @@ class Communicator {
   uint64_t sequence_ = 0;
   OpDescriptor current_{};
   std::string failure_; // why the group stopped being usable (a rank died or timed out)
+  bool mismatch_ = false; // the current op was abandoned on every rank alike
   std::chrono::steady_clock::time_point deadline_;
 };
 

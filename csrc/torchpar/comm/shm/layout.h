@@ -25,6 +25,7 @@ struct RankControl {
   alignas(kCacheLine) std::atomic<uint32_t> progress; // phases completed; the futex word
   alignas(kCacheLine) std::atomic<uint32_t> sleepers; // ranks asleep on `progress`
   int32_t pid;
+  uint64_t pid_namespace; // pid is only meaningful to ranks in the same namespace
   // Indexed by op sequence parity: a rank may start op n+1 while a slower one still reads op n's.
   alignas(kCacheLine) OpDescriptor descriptors[2];
 };

@@ -7,6 +7,7 @@
 #include <iomanip>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -36,26 +37,35 @@ std::string random_token() {
   return text.str();
 }
 
-// The host's first rank creates the segment under a fresh random name and publishes the name
-// through the store; the last rank of the host to map it removes the name, so /dev/shm keeps
-// nothing of ours.
+// The host's first rank (its leader) creates the segment under a fresh random name and publishes
+// the name through the store; the other ranks of the host map it and report so.
 SharedSegment rendezvous(const c10::intrusive_ptr<c10d::Store>& store, const HostLayout& hosts,
-                         const SegmentLayout& layout) {
+                         const SegmentLayout& layout, std::chrono::milliseconds timeout) {
   const std::string prefix = "shm/host" + std::to_string(hosts.host) + "/";
-  SharedSegment segment = [&] {
-    if (hosts.leader()) {
-      const std::string name = "/torchpar-" + std::to_string(::getuid()) + "-" + random_token();
-      auto created = SharedSegment::create(name, layout.total_bytes());
-      store->set(prefix + "segment", std::vector<uint8_t>(name.begin(), name.end()));
-      return created;
-    }
+  if (!hosts.leader()) {
     const auto value = store->get(prefix + "segment");
-    return SharedSegment::open(std::string(value.begin(), value.end()), layout.total_bytes());
-  }();
-  if (store->add(prefix + "mapped", 1) == layout.world) {
-    const auto value = store->get(prefix + "segment");
-    SharedSegment::unlink(std::string(value.begin(), value.end()));
+    auto segment = SharedSegment::open(std::string(value.begin(), value.end()), layout.total_bytes());
+    store->add(prefix + "mapped", 1);
+    return segment;
   }
+  // The leader removes the name once every rank of the host has mapped the segment, or when they
+  // do not within the timeout, or on any error: whatever happens, the name does not outlive this.
+  const std::string name = "/torchpar-" + std::to_string(::getuid()) + "-" + random_token();
+  auto segment = SharedSegment::create(name, layout.total_bytes());
+  try {
+    store->set(prefix + "segment", std::vector<uint8_t>(name.begin(), name.end()));
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    int64_t mapped = 0;
+    while ((mapped = store->add(prefix + "mapped", 0)) < layout.world - 1) {
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "shm backend: only ", mapped + 1, " of ",
+                  layout.world, " ranks on this host mapped the shared segment within the timeout");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  } catch (...) {
+    SharedSegment::unlink(name);
+    throw;
+  }
+  SharedSegment::unlink(name);
   return segment;
 }
 
@@ -128,6 +138,25 @@ OpDescriptor descriptor(OpKind kind, const at::Tensor& tensor, uint64_t agreed_b
   return d;
 }
 
+std::exception_ptr run_task(const std::function<void()>& task) noexcept {
+  try {
+    task();
+    return nullptr;
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+// Completing a Work runs the callbacks chained on its future, which may issue further ops on this
+// backend: so it happens only once the backend is free again.
+void deliver(ShmWork& work, const std::exception_ptr& error) {
+  if (error) {
+    work.fail(error);
+  } else {
+    work.complete();
+  }
+}
+
 } // namespace
 
 ProcessGroupShm::ProcessGroupShm(
@@ -138,7 +167,8 @@ ProcessGroupShm::ProcessGroupShm(
     : Backend(rank, size),
       hosts_(discover_hosts(store, rank, size)),
       communicator_(
-          rendezvous(store, hosts_, SegmentLayout{static_cast<int>(hosts_.local_ranks().size()), kChunkBytes}),
+          rendezvous(store, hosts_, SegmentLayout{static_cast<int>(hosts_.local_ranks().size()), kChunkBytes},
+                     timeout),
           SegmentLayout{static_cast<int>(hosts_.local_ranks().size()), kChunkBytes}, hosts_.local_rank(), timeout),
       gloo_(make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo/", store), rank, size, timeout)),
       leaders_(hosts_.host_count() > 1 && hosts_.leader()
@@ -164,15 +194,6 @@ void ProcessGroupShm::setTimeout(std::chrono::milliseconds timeout) {
   }
 }
 
-void ProcessGroupShm::execute(ShmWork& work, const Task& task) {
-  try {
-    task();
-    work.complete();
-  } catch (...) {
-    work.fail(std::current_exception());
-  }
-}
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(
     c10d::OpType type,
     std::vector<at::Tensor> outputs,
@@ -189,12 +210,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(
     }
     running_ = true;
   }
-  execute(*work, task);
+  const auto error = run_task(task);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     running_ = false;
   }
   wake_.notify_one();
+  deliver(*work, error);
   return work;
 }
 
@@ -211,12 +233,13 @@ void ProcessGroupShm::run_tasks() {
       queue_.pop_front();
       running_ = true;
     }
-    execute(*next.first, next.second);
+    const auto error = run_task(next.second);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       running_ = false;
     }
     wake_.notify_all();
+    deliver(*next.first, error);
   }
 }
 
@@ -478,7 +501,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   if (!single_host()) {
-    return gloo_->gather(outputs, inputs, opts);
+    return via_gloo(c10d::OpType::GATHER, {}, [outputs, inputs, opts](c10d::Backend& gloo) mutable {
+      return gloo.gather(outputs, inputs, opts);
+    });
   }
   const at::Tensor& input = single(inputs, "gather");
   const int64_t root = opts.rootRank;
@@ -515,7 +540,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   if (!single_host()) {
-    return gloo_->scatter(outputs, inputs, opts);
+    return via_gloo(c10d::OpType::SCATTER, outputs, [outputs, inputs, opts](c10d::Backend& gloo) mutable {
+      return gloo.scatter(outputs, inputs, opts);
+    });
   }
   const at::Tensor& output = single(outputs, "scatter");
   const int64_t root = opts.rootRank;
@@ -548,7 +575,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (!single_host()) {
-    return gloo_->reduce_scatter(outputs, inputs, opts);
+    return via_gloo(c10d::OpType::REDUCE_SCATTER, outputs, [outputs, inputs, opts](c10d::Backend& gloo) mutable {
+      return gloo.reduce_scatter(outputs, inputs, opts);
+    });
   }
   const at::Tensor& output = single(outputs, "reduce_scatter");
   const RedOp op = opts.reduceOp.op_;
@@ -572,7 +601,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
   if (!single_host()) {
-    return gloo_->_reduce_scatter_base(output, input, opts);
+    return via_gloo(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, [output, input, opts](c10d::Backend& gloo) mutable {
+      return gloo._reduce_scatter_base(output, input, opts);
+    });
   }
   check_cpu_dense(input, "reduce_scatter_tensor");
   check_cpu_dense(output, "reduce_scatter_tensor");
@@ -644,7 +675,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(
     std::vector<int64_t>& input_splits,
     const c10d::AllToAllOptions& opts) {
   if (!single_host()) {
-    return gloo_->alltoall_base(output, input, output_splits, input_splits, opts);
+    return via_gloo(c10d::OpType::ALLTOALL_BASE, {output},
+                    [output, input, output_splits, input_splits, opts](c10d::Backend& gloo) mutable {
+                      return gloo.alltoall_base(output, input, output_splits, input_splits, opts);
+                    });
   }
   check_cpu_dense(input, "alltoall");
   check_cpu_dense(output, "alltoall");
@@ -669,8 +703,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(
   };
   const auto ins = resolve(input, input_splits, "input");
   const auto outs = resolve(output, output_splits, "output");
-  const int64_t rows = input.dim() == 0 ? 1 : input.size(0);
-  const int64_t row_bytes = rows == 0 ? 0 : static_cast<int64_t>(bytes_of(input)) / rows;
+  // A row is everything behind the first dimension; its size must not depend on how many rows a
+  // rank has (it may have none).
+  auto row_shape = [](const at::Tensor& tensor) {
+    return tensor.dim() <= 1 ? std::vector<int64_t>{} : tensor.sizes().slice(1).vec();
+  };
+  TORCH_CHECK(row_shape(input) == row_shape(output), "shm backend: alltoall needs input and output rows of one shape, ",
+              "got ", input.sizes(), " and ", output.sizes());
+  int64_t row_bytes = static_cast<int64_t>(input.element_size());
+  for (int64_t extent : row_shape(input)) {
+    row_bytes *= extent;
+  }
   return enqueue(c10d::OpType::ALLTOALL_BASE, {output}, bytes_of(input), [this, output, input, ins, outs, row_bytes] {
     exchange_all_to_all(output, input, outs, ins, row_bytes);
   });
@@ -681,7 +724,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
   if (!single_host()) {
-    return gloo_->alltoall(outputs, inputs, opts);
+    return via_gloo(c10d::OpType::ALLTOALL, outputs, [outputs, inputs, opts](c10d::Backend& gloo) mutable {
+      return gloo.alltoall(outputs, inputs, opts);
+    });
   }
   TORCH_CHECK(inputs.size() == static_cast<std::size_t>(size_) && outputs.size() == inputs.size(),
               "shm backend: alltoall needs ", size_, " input and ", size_, " output tensors");

@@ -75,7 +75,13 @@ class ProcessGroupShm : public c10d::Backend {
   // runs at once on the calling thread instead (two thread hand-offs would cost more than the op).
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs, uint64_t bytes,
                                          Task task);
-  static void execute(ShmWork& work, const Task& task);
+  // Multi-host fallback: `call` runs the op on Gloo, from this backend's queue, so that it keeps
+  // its place among the shm ops issued before and after it.
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> via_gloo(c10d::OpType type, std::vector<at::Tensor> outputs, Call call) {
+    return enqueue(type, std::move(outputs), kAlwaysQueued, [this, call]() mutable { call(*gloo_)->wait(); });
+  }
+  static constexpr uint64_t kAlwaysQueued = ~uint64_t{0};
   void run_tasks();
   // alltoall_base on flat row-major buffers; splits are in rows of `row_bytes`.
   bool single_host() const {

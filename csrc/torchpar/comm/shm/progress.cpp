@@ -3,6 +3,7 @@
 #include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -35,8 +36,13 @@ void cpu_relax() {
 #endif
 }
 
-// Gone, or a zombie waiting to be reaped: either way it will never advance again.
-bool process_dead(int pid) {
+// Gone, or a zombie waiting to be reaped: either way it will never advance again. Only knowable
+// for a peer in our PID namespace (containers sharing /dev/shm may not share PIDs).
+bool process_dead(const RankControl& peer) {
+  if (peer.pid == 0 || peer.pid_namespace != pid_namespace()) {
+    return false;
+  }
+  const int pid = peer.pid;
   if (::kill(pid, 0) != 0 && errno == ESRCH) {
     return true;
   }
@@ -74,9 +80,19 @@ std::string ranks_behind(RankControl* controls, int world, uint32_t target, cons
 
 } // namespace
 
+uint64_t pid_namespace() {
+  static const uint64_t ours = [] {
+    struct stat info {};
+    return ::stat("/proc/self/ns/pid", &info) == 0 ? static_cast<uint64_t>(info.st_ino) : uint64_t{0};
+  }();
+  return ours;
+}
+
 void advance(RankControl& mine) {
-  mine.progress.fetch_add(1, std::memory_order_acq_rel);
-  if (mine.sleepers.load(std::memory_order_acquire) > 0) {
+  // seq_cst on both sides of the sleeper handshake: the waker must see a sleeper that registered
+  // before the increment, or the sleeper must see the increment.
+  mine.progress.fetch_add(1, std::memory_order_seq_cst);
+  if (mine.sleepers.load(std::memory_order_seq_cst) > 0) {
     ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&mine.progress), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
   }
 }
@@ -108,11 +124,11 @@ void wait_for_all(
     }
     while (!reached(value, target)) {
       const auto now = std::chrono::steady_clock::now();
-      const bool dead = process_dead(controls[rank].pid);
+      const bool dead = process_dead(controls[rank]);
       if (now >= deadline || dead) {
         std::vector<int> dead_ranks;
         for (int r = 0; r < world; ++r) {
-          if (process_dead(controls[r].pid)) {
+          if (process_dead(controls[r])) {
             dead_ranks.push_back(r);
           }
         }
@@ -124,8 +140,8 @@ void wait_for_all(
         C10_THROW_ERROR(DistBackendError,
                         what() + " timed out: " + behind + " did not take part within the group's timeout");
       }
-      controls[rank].sleepers.fetch_add(1, std::memory_order_acq_rel);
-      value = progress.load(std::memory_order_acquire);
+      controls[rank].sleepers.fetch_add(1, std::memory_order_seq_cst);
+      value = progress.load(std::memory_order_seq_cst);
       if (!reached(value, target)) {
         futex_wait(progress, value, std::min<std::chrono::nanoseconds>(kSleepSlice, deadline - now));
       }

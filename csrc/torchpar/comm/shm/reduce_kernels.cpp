@@ -1,6 +1,8 @@
 #include <torchpar/comm/shm/reduce_kernels.h>
 
+#include <algorithm>
 #include <functional>
+#include <iterator>
 #include <type_traits>
 
 #include <ATen/core/Tensor.h>
@@ -158,9 +160,14 @@ bool reduce_without_aten(void* out, const std::vector<const void*>& sources, int
 } // namespace
 
 void check_reducible(c10::ScalarType dtype, RedOp op, const char* op_name) {
+  // The dtypes the kernels cover; anything else must fail here, on every rank alike, and never
+  // halfway through an op on some ranks only.
+  static constexpr c10::ScalarType kReducible[] = {c10::kFloat, c10::kDouble, c10::kHalf,  c10::kBFloat16,
+                                                   c10::kChar,  c10::kByte,   c10::kShort, c10::kInt,
+                                                   c10::kLong,  c10::kBool};
+  TORCH_CHECK(std::find(std::begin(kReducible), std::end(kReducible), dtype) != std::end(kReducible),
+              "shm backend: ", op_name, " cannot reduce tensors of dtype ", dtype);
   const bool floating = c10::isFloatingType(dtype);
-  const bool integral = c10::isIntegralType(dtype, /*includeBool=*/true);
-  TORCH_CHECK(floating || integral, "shm backend: ", op_name, " cannot reduce tensors of dtype ", dtype);
   TORCH_CHECK(op != RedOp::PREMUL_SUM, "shm backend: ", op_name, " does not support ReduceOp.PREMUL_SUM");
   TORCH_CHECK(op <= RedOp::BXOR, "shm backend: ", op_name, ": unknown reduce op ", static_cast<int>(op));
   TORCH_CHECK(!(op == RedOp::AVG && !floating), "shm backend: ", op_name,

@@ -5,8 +5,9 @@
 namespace torchpar::comm::shm {
 
 // A POSIX shared-memory segment mapped into this process. The name lives in /dev/shm only between
-// create() and unlink(): the backend unlinks it as soon as every rank has mapped it, so nothing of
-// ours stays behind after any exit, kill -9 included.
+// create() and unlink(): the backend unlinks it as soon as every rank has mapped it (milliseconds
+// after creation), so from then on nothing of ours stays behind after any exit, kill -9 included.
+// Only a creator killed inside that window leaves the name behind.
 class SharedSegment {
  public:
   // A new segment of `bytes` zeroed bytes, mode 0600; fails if the name exists.

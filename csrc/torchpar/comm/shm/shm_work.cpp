@@ -1,6 +1,7 @@
 #include <torchpar/comm/shm/shm_work.h>
 
 #include <ATen/core/jit_type.h>
+#include <c10/util/Logging.h>
 
 namespace torchpar::comm::shm {
 
@@ -18,12 +19,21 @@ std::vector<at::Tensor> ShmWork::result() {
 }
 
 void ShmWork::complete() {
-  future_->markCompleted(c10::IValue(outputs_));
+  try {
+    future_->markCompleted(c10::IValue(outputs_));
+  } catch (const std::exception& e) {
+    // A callback the user chained on the future threw; the op itself succeeded.
+    LOG(ERROR) << "shm backend: a callback on a completed op's future threw: " << e.what();
+  }
   finish();
 }
 
 void ShmWork::fail(const std::exception_ptr& error) {
-  future_->setError(error);
+  try {
+    future_->setError(error);
+  } catch (const std::exception& e) {
+    LOG(ERROR) << "shm backend: a callback on a failed op's future threw: " << e.what();
+  }
   finish(error);
 }
 
