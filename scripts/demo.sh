@@ -8,6 +8,8 @@ run() { echo; echo "\$ $*"; "$@" 2>&1 | grep -v "OMP_NUM_THREADS\|^W.*run.py.*\*
 
 run torchrun --nproc-per-node=2 --no-python "$demo"
 run torchrun --nproc-per-node=2 examples/python/allreduce_demo.py
+echo; echo "\$ TORCHPAR_BACKEND=shm torchrun --nproc-per-node=4 ...    # the same program on torchpar's shared-memory backend"
+TORCHPAR_BACKEND=shm torchrun --nproc-per-node=4 --no-python "$demo" 2>&1 | grep "^rank"
 echo; echo "\$ two torchrun invocations (--nnodes=2 --node-rank=0/1, loopback rendezvous): one world of 4 ranks"
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 common=(--nnodes=2 --nproc-per-node=2 --master-addr=127.0.0.1 --master-port="$port" --no-python "$demo")

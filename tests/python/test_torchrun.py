@@ -27,9 +27,9 @@ def clean_env(**extra):
     return env
 
 
-def torchrun(*arguments):
+def torchrun(*arguments, **env):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", *map(str, arguments)],
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=clean_env())
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=clean_env(**env))
 
 
 def check_results(output: str, world: int):
@@ -48,6 +48,14 @@ def test_cpp_binary_under_torchrun(cpp_demo, free_port, world):
     result = torchrun(f"--nproc-per-node={world}", f"--master-port={free_port}", "--no-python", cpp_demo)
     assert result.returncode == 0, result.stderr
     check_results(result.stdout, world)
+
+
+@pytest.mark.parametrize("program", ["cpp", "python"])
+def test_shm_backend_under_torchrun(cpp_demo, free_port, program):
+    target = ["--no-python", cpp_demo] if program == "cpp" else [PYTHON_DEMO]
+    result = torchrun("--nproc-per-node=4", f"--master-port={free_port}", *target, TORCHPAR_BACKEND="shm")
+    assert result.returncode == 0, result.stderr
+    check_results(result.stdout, 4)
 
 
 def test_python_script_under_torchrun(free_port):
