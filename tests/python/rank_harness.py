@@ -68,8 +68,12 @@ def launch_ranks(
     backend: str = "gloo",
     deadline_s: float = 120.0,
     collective_timeout_s: float = 60.0,
+    grace_s: float = GRACE_AFTER_FAILURE_S,
 ) -> list[RankOutcome]:
-    """Runs ``fn(rank, world, *args)`` on ``world`` ranks and returns every rank's outcome."""
+    """Runs ``fn(rank, world, *args)`` on ``world`` ranks and returns every rank's outcome.
+
+    After a rank fails, the others get ``grace_s`` to finish before they are killed (more for tests
+    in which a rank dies on purpose and the others must notice)."""
     context = multiprocessing.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     results = context.Queue()
@@ -93,7 +97,7 @@ def launch_ranks(
         nonlocal kill_at, first_failure
         outcomes[outcome.rank] = outcome
         if not outcome.passed and kill_at is None:
-            kill_at = time.monotonic() + GRACE_AFTER_FAILURE_S
+            kill_at = time.monotonic() + grace_s
             first_failure = f"rank {outcome.rank}"
 
     while len(outcomes) < world:

@@ -62,20 +62,20 @@ void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::nan
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
-std::string ranks_behind(RankControl* controls, int world, uint32_t target, const std::vector<int>& dead) {
+// "rank(s) 1 3": the ranks that have not reached `target`; with `dead`, those whose process is
+// gone ("rank(s) 1 (process 4242)"), else those that are alive.
+std::string ranks_behind(RankControl* controls, int world, uint32_t target, bool dead) {
   std::ostringstream text;
-  text << "rank(s)";
   for (int rank = 0; rank < world; ++rank) {
-    if (!reached(controls[rank].progress.load(std::memory_order_acquire), target)) {
+    const bool behind = !reached(controls[rank].progress.load(std::memory_order_acquire), target);
+    if (behind && process_dead(controls[rank]) == dead) {
       text << " " << rank;
-      for (int d : dead) {
-        if (d == rank) {
-          text << " (process " << controls[rank].pid << " has exited)";
-        }
+      if (dead) {
+        text << " (process " << controls[rank].pid << ")";
       }
     }
   }
-  return text.str();
+  return text.str().empty() ? std::string() : "rank(s)" + text.str();
 }
 
 } // namespace
@@ -126,19 +126,14 @@ void wait_for_all(
       const auto now = std::chrono::steady_clock::now();
       const bool dead = process_dead(controls[rank]);
       if (now >= deadline || dead) {
-        std::vector<int> dead_ranks;
-        for (int r = 0; r < world; ++r) {
-          if (process_dead(controls[r])) {
-            dead_ranks.push_back(r);
-          }
-        }
-        const std::string behind = ranks_behind(controls, world, target, dead_ranks);
+        const std::string alive_behind = ranks_behind(controls, world, target, /*dead=*/false);
         if (dead) {
-          C10_THROW_ERROR(DistBackendError,
-                          what() + " failed: " + behind + " died before taking part");
+          const std::string also = alive_behind.empty() ? "" : "; also still waiting for " + alive_behind;
+          C10_THROW_ERROR(DistBackendError, what() + " failed: " + ranks_behind(controls, world, target, true) +
+                                                " died before taking part" + also);
         }
         C10_THROW_ERROR(DistBackendError,
-                        what() + " timed out: " + behind + " did not take part within the group's timeout");
+                        what() + " timed out: " + alive_behind + " did not take part within the group's timeout");
       }
       controls[rank].sleepers.fetch_add(1, std::memory_order_seq_cst);
       value = progress.load(std::memory_order_seq_cst);
