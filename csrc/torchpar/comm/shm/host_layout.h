@@ -2,11 +2,7 @@
 #include <string>
 #include <vector>
 
-#include <c10/util/intrusive_ptr.h>
-
-namespace c10d {
-class Store;
-}
+#include <torchpar/comm/c10d_fwd.h>
 
 namespace torchpar::comm::shm {
 
