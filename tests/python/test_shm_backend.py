@@ -130,24 +130,21 @@ def every_op_matches_gloo(rank, world):
                 return output
             assert_same(*both(all_to_all_even, shm, gloo), f"all_to_all_single {dtype} x{numel}")
 
-        def all_to_all_uneven(group):
-            # Rank r sends r + d + 1 rows of 3 to rank d.
-            sends = [rank + d + 1 for d in range(world)]
-            receives = [s + rank + 1 for s in range(world)]
-            source = contribution(rank, sum(sends) * 3, dtype).view(-1, 3)
-            output = torch.empty(sum(receives), 3, dtype=dtype)
-            dist.all_to_all_single(output, source, receives, sends, group=group)
-            return output
-        assert_same(*both(all_to_all_uneven, shm, gloo), f"all_to_all_single uneven {dtype}")
+        def all_to_all_with(rows):
+            """rows(source, destination): how many rows of 2 one rank sends another."""
+            def call(group):
+                sends = [rows(rank, d) for d in range(world)]
+                receives = [rows(s, rank) for s in range(world)]
+                source = contribution(rank, sum(sends) * 2, dtype).view(-1, 2)
+                output = torch.empty(sum(receives), 2, dtype=dtype)
+                dist.all_to_all_single(output, source, receives, sends, group=group)
+                return output
+            return call
 
-        def all_to_all_rank0_sends_nothing(group):
-            sends = [0 if rank == 0 else d + 1 for d in range(world)]
-            receives = [0 if s == 0 else rank + 1 for s in range(world)]
-            source = contribution(rank, sum(sends) * 2, dtype).view(-1, 2)
-            output = torch.empty(sum(receives), 2, dtype=dtype)
-            dist.all_to_all_single(output, source, receives, sends, group=group)
-            return output
-        assert_same(*both(all_to_all_rank0_sends_nothing, shm, gloo), f"all_to_all_single, empty rank {dtype}")
+        uneven = all_to_all_with(lambda s, d: s + d + 1)
+        assert_same(*both(uneven, shm, gloo), f"all_to_all_single uneven {dtype}")
+        rank0_sends_nothing = all_to_all_with(lambda s, d: 0 if s == 0 else d + 1)
+        assert_same(*both(rank0_sends_nothing, shm, gloo), f"all_to_all_single, empty rank {dtype}")
 
         def all_to_all_lists(group):
             inputs = [contribution(rank * world + d, d + 2, dtype) for d in range(world)]

@@ -81,6 +81,10 @@ const at::Tensor& single(const std::vector<at::Tensor>& tensors, const char* op)
   return tensors[0];
 }
 
+void check_root(int64_t root, int size, const char* op) {
+  TORCH_CHECK(root >= 0 && root < size, "shm backend: ", op, " root ", root, " is not a rank of this group");
+}
+
 void check_same(const at::Tensor& tensor, const at::Tensor& reference, const char* op, const char* what) {
   check_cpu_dense(tensor, op);
   TORCH_CHECK(tensor.scalar_type() == reference.scalar_type() && tensor.numel() == reference.numel(),
@@ -342,7 +346,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(
     const c10d::BroadcastOptions& opts) {
   const at::Tensor& tensor = single(tensors, "broadcast");
   const int64_t root = opts.rootRank;
-  TORCH_CHECK(root >= 0 && root < size_, "shm backend: broadcast root ", root, " is not a rank of this group");
+  check_root(root, size_, "broadcast");
   return enqueue(c10d::OpType::BROADCAST, tensors, bytes_of(tensor), [this, tensor, root] {
     Landing landing(tensor);
     broadcast_buffer(landing.buffer, root);
@@ -393,7 +397,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(
   const RedOp op = opts.reduceOp.op_;
   const int64_t root = opts.rootRank;
   check_reducible(tensor.scalar_type(), op, "reduce");
-  TORCH_CHECK(root >= 0 && root < size_, "shm backend: reduce root ", root, " is not a rank of this group");
+  check_root(root, size_, "reduce");
   return enqueue(c10d::OpType::REDUCE, tensors, bytes_of(tensor), [this, tensor, op, root] {
     Landing landing(tensor);
     reduce_buffer(landing.buffer, root, op);
@@ -507,7 +511,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(
   }
   const at::Tensor& input = single(inputs, "gather");
   const int64_t root = opts.rootRank;
-  TORCH_CHECK(root >= 0 && root < size_, "shm backend: gather root ", root, " is not a rank of this group");
+  check_root(root, size_, "gather");
   std::vector<at::Tensor> landing_tensors;
   if (rank_ == root) {
     TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<std::size_t>(size_),
@@ -546,7 +550,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(
   }
   const at::Tensor& output = single(outputs, "scatter");
   const int64_t root = opts.rootRank;
-  TORCH_CHECK(root >= 0 && root < size_, "shm backend: scatter root ", root, " is not a rank of this group");
+  check_root(root, size_, "scatter");
   at::Tensor stream;
   if (rank_ == root) {
     TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<std::size_t>(size_),
