@@ -22,6 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench_ranks import free_port
+
 logger = logging.getLogger("torchpar.bench")
 OPS = ("allreduce", "broadcast", "allgather")
 BACKENDS = ("gloo", "shm")
@@ -119,14 +121,6 @@ def memcpy_rows(sizes: list[int]) -> list[dict]:
         rows.append(dict(op="memcpy", world=1, backend="memcpy", bytes=size, seconds=seconds,
                          busbw_gbps=size / seconds / 1e9))
     return rows
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def table(rows: list[dict]) -> str:

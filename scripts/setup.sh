@@ -43,7 +43,16 @@ else
   $PYTHON -m pip install -q -r requirements.txt
 fi
 
-# 3. Build (CMake: library, Python extension, tests, examples) and install.
+# 3. The digits data set for the training examples (examples/{cpp,python}/train_ddp), from the copy
+#    bundled with scikit-learn (no download); written once, kept afterwards.
+if [ -f data/digits.pt ]; then
+  log "data/digits.pt present"
+else
+  log "writing data/digits.pt (scikit-learn's digits, fixed 80/20 split)"
+  $PYTHON scripts/export_digits.py
+fi
+
+# 4. Build (CMake: library, Python extension, tests, examples) and install.
 log "building in build/"
 mkdir -p build
 # Torch's CMake package is chatty; its output stays in build/configure.log unless configuring fails.

@@ -2,3 +2,7 @@
 #pragma once
 #include <torchpar/comm/launch_error.h>
 #include <torchpar/comm/process_group.h>
+#include <torchpar/ddp/comm_hooks.h>
+#include <torchpar/ddp/data_parallel.h>
+#include <torchpar/ddp/distributed_data_parallel.h>
+#include <torchpar/ddp/powersgd_hook.h>

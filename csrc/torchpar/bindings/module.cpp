@@ -17,4 +17,5 @@ PYBIND11_MODULE(_C, module) {
     }
   });
   torchpar::bindings::bind_comm(module);
+  torchpar::bindings::bind_ddp(module);
 }

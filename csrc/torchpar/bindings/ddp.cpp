@@ -1,0 +1,99 @@
+// torchpar._C.ddp: the C++ DistributedDataParallel engine under python/torchpar/ddp.py.
+#include <torchpar/bindings/bindings.h>
+
+#include <torchpar/ddp/comm_hooks.h>
+#include <torchpar/ddp/powersgd_hook.h>
+#include <torchpar/ddp/reducer.h>
+#include <torchpar/ddp/replica_coordinator.h>
+#include <torchpar/ddp/timeline.h>
+
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace torchpar::bindings {
+
+namespace py = pybind11;
+using torchpar::ddp::ReplicaCoordinator;
+
+void bind_ddp(py::module_& module) {
+  auto ddp = module.def_submodule("ddp", "C++ DistributedDataParallel engine");
+  py::class_<ReplicaCoordinator>(ddp, "ReplicaCoordinator")
+      .def(
+          py::init([](ddp::NamedTensors parameters, ddp::NamedTensors buffers,
+                      c10::intrusive_ptr<c10d::ProcessGroup> process_group, double bucket_cap_mb,
+                      double first_bucket_cap_mb, bool find_unused_parameters, bool gradient_as_bucket_view,
+                      bool broadcast_buffers, bool static_graph) {
+            return std::make_unique<ReplicaCoordinator>(
+                std::move(parameters), std::move(buffers),
+                ddp::DistributedDataParallelOptions()
+                    .process_group(std::move(process_group))
+                    .bucket_cap_mb(bucket_cap_mb)
+                    .first_bucket_cap_mb(first_bucket_cap_mb)
+                    .find_unused_parameters(find_unused_parameters)
+                    .gradient_as_bucket_view(gradient_as_bucket_view)
+                    .broadcast_buffers(broadcast_buffers)
+                    .static_graph(static_graph));
+          }),
+          py::arg("parameters"), py::arg("buffers"), py::arg("process_group"), py::arg("bucket_cap_mb"),
+          py::arg("first_bucket_cap_mb"), py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"),
+          py::arg("broadcast_buffers"), py::arg("static_graph"), py::call_guard<py::gil_scoped_release>())
+      .def("pre_forward", &ReplicaCoordinator::pre_forward, py::arg("will_sync"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("post_forward", &ReplicaCoordinator::post_forward, py::arg("outputs"), py::arg("will_sync"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property("grad_sync", &ReplicaCoordinator::grad_sync, &ReplicaCoordinator::set_grad_sync)
+      .def("begin_join", &ReplicaCoordinator::begin_join)
+      .def("finish_join", &ReplicaCoordinator::finish_join, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "register_comm_hook",
+          [](ReplicaCoordinator& self, py::object state, py::object hook) {
+            self.register_comm_hook(std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook)));
+          },
+          py::arg("state"), py::arg("hook"))
+      .def(
+          "register_builtin_comm_hook",
+          [](ReplicaCoordinator& self, const std::string& name,
+             c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
+            if (!process_group) {
+              process_group = self.process_group();
+            }
+            if (name == "allreduce") {
+              self.register_comm_hook(ddp::allreduce_hook(std::move(process_group)));
+            } else if (name == "fp16") {
+              self.register_comm_hook(ddp::fp16_compress_hook(std::move(process_group)));
+            } else if (name == "bf16") {
+              self.register_comm_hook(ddp::bf16_compress_hook(std::move(process_group)));
+            } else {
+              TORCH_CHECK(false, "register_builtin_comm_hook: unknown hook '", name,
+                          "' (allreduce, fp16, bf16)");
+            }
+          },
+          py::arg("name"), py::arg("process_group"))
+      .def(
+          "register_powersgd_hook",
+          [](ReplicaCoordinator& self, c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+             int64_t matrix_approximation_rank, int64_t start_powerSGD_iter, double min_compression_rate,
+             bool use_error_feedback, bool warm_start, uint64_t seed) {
+            self.register_comm_hook(std::make_unique<ddp::PowerSGDHook>(
+                process_group ? std::move(process_group) : self.process_group(),
+                ddp::PowerSGDOptions()
+                    .matrix_approximation_rank(matrix_approximation_rank)
+                    .start_powerSGD_iter(start_powerSGD_iter)
+                    .min_compression_rate(min_compression_rate)
+                    .use_error_feedback(use_error_feedback)
+                    .warm_start(warm_start)
+                    .seed(seed)));
+          },
+          py::arg("process_group"), py::arg("matrix_approximation_rank"), py::arg("start_powerSGD_iter"),
+          py::arg("min_compression_rate"), py::arg("use_error_feedback"), py::arg("warm_start"), py::arg("seed"))
+      .def("bucket_indices", [](ReplicaCoordinator& self) { return self.reducer().bucket_indices(); })
+      .def_property_readonly("buckets_rebuilt", [](ReplicaCoordinator& self) { return self.reducer().buckets_rebuilt(); })
+      .def_property_readonly("timeline_path", [](ReplicaCoordinator& self) -> std::optional<std::string> {
+        if (!self.timeline()) {
+          return std::nullopt;
+        }
+        return self.timeline()->path();
+      });
+}
+
+} // namespace torchpar::bindings

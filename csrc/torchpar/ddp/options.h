@@ -1,0 +1,29 @@
+// Options of torchpar's DistributedDataParallel, in LibTorch's builder style:
+//   DistributedDataParallelOptions().bucket_cap_mb(25).find_unused_parameters(true)
+#pragma once
+#include <torch/arg.h>
+#include <torchpar/comm/c10d_fwd.h>
+
+#include <c10/util/intrusive_ptr.h>
+
+namespace torchpar::ddp {
+
+struct DistributedDataParallelOptions {
+  // The group gradients are averaged over; null = the one torchpar::init_process_group made last.
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
+  // Gradient bytes per all-reduce (torch's default 25 MiB).
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  // The first bucket is small so that communication starts early in backward (torch: 1 MiB).
+  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  // Trace the autograd graph after each forward and mark parameters it cannot reach as ready.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  // Parameters' .grad become views into the flat buckets: no copy after all-reduce, less memory.
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  // Broadcast rank 0's buffers (e.g. BatchNorm running statistics) before each forward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  // The set of used parameters and their gradient order are the same every iteration: learnt in the
+  // first iteration, after which no graph traversal is needed.
+  TORCH_ARG(bool, static_graph) = false;
+};
+
+} // namespace torchpar::ddp

@@ -1,0 +1,473 @@
+#include <torchpar/ddp/reducer.h>
+
+#include <torchpar/ddp/bucket_assignment.h>
+#include <torchpar/ddp/timeline.h>
+
+#include <ATen/ScalarOps.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/irange.h>
+#include <c10/util/strides.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <sstream>
+#include <unordered_set>
+
+namespace torchpar::ddp {
+namespace {
+
+// Runs after AccumulateGrad wrote a parameter's .grad: the moment its gradient is final.
+class GradientReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradientReadyHook(std::function<void()> on_ready) : on_ready_(std::move(on_ready)) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    on_ready_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> on_ready_;
+};
+
+} // namespace
+
+Reducer::Reducer(
+    std::vector<at::Tensor> parameters,
+    std::vector<std::string> names,
+    c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+    ReducerOptions options,
+    std::shared_ptr<Timeline> timeline)
+    : parameters_(std::move(parameters)),
+      names_(std::move(names)),
+      process_group_(std::move(process_group)),
+      options_(options),
+      timeline_(std::move(timeline)) {
+  TORCH_CHECK(process_group_, "DistributedDataParallel: no process group given");
+  TORCH_CHECK(!parameters_.empty(), "DistributedDataParallel: the module has no parameters that require grad");
+  TORCH_CHECK(
+      names_.size() == parameters_.size(), "DistributedDataParallel: ", parameters_.size(), " parameters but ",
+      names_.size(), " names");
+  for (const auto i : c10::irange(parameters_.size())) {
+    const auto& parameter = parameters_[i];
+    TORCH_CHECK(
+        parameter.requires_grad() && parameter.is_leaf(), "DistributedDataParallel: parameter ", names_[i],
+        " is not a leaf tensor that requires grad");
+    TORCH_CHECK(
+        parameter.device() == parameters_[0].device(), "DistributedDataParallel: parameter ", names_[i], " is on ",
+        parameter.device(), " but ", names_[0], " is on ", parameters_[0].device(),
+        "; one replica per process must live on one device");
+    TORCH_CHECK(
+        parameter.layout() == c10::kStrided, "DistributedDataParallel: parameter ", names_[i],
+        " is not a dense tensor");
+  }
+  locally_used_ = at::zeros({static_cast<int64_t>(parameters_.size())}, at::TensorOptions().dtype(at::kInt));
+  ready_.assign(parameters_.size(), false);
+  build_buckets(reverse_registration_order(parameters_.size()));
+  install_hooks();
+}
+
+Reducer::~Reducer() {
+  for (const auto i : c10::irange(grad_accumulators_.size())) {
+    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+}
+
+int Reducer::rank() const {
+  return process_group_->getRank();
+}
+
+int Reducer::world_size() const {
+  return process_group_->getSize();
+}
+
+void Reducer::build_buckets(const std::vector<size_t>& order) {
+  std::vector<BucketableParameter> sizes;
+  sizes.reserve(parameters_.size());
+  for (const auto& parameter : parameters_) {
+    sizes.push_back({static_cast<size_t>(parameter.numel()) * parameter.element_size(), parameter.scalar_type()});
+  }
+  const auto assignment =
+      assign_buckets(sizes, order, options_.first_bucket_cap_bytes, options_.bucket_cap_bytes);
+  buckets_.clear();
+  locations_.assign(parameters_.size(), Location{});
+  at::NoGradGuard no_grad;
+  for (const auto& indices : assignment) {
+    Bucket bucket;
+    bucket.parameter_indices = indices;
+    size_t total = 0;
+    for (size_t index : indices) {
+      bucket.offsets.push_back(total);
+      bucket.lengths.push_back(parameters_[index].numel());
+      bucket.sizes.push_back(parameters_[index].sizes().vec());
+      total += parameters_[index].numel();
+    }
+    const auto& first = parameters_[indices.front()];
+    bucket.flat = at::zeros({static_cast<int64_t>(total)}, first.options());
+    for (const auto slot : c10::irange(indices.size())) {
+      const size_t index = indices[slot];
+      locations_[index] = Location{buckets_.size(), slot};
+      // Shares the bucket's storage without being an autograd view: optimizers (LibTorch's in
+      // particular) detach_() gradients in zero_grad, which autograd forbids on views.
+      auto view = at::empty({0}, bucket.flat.options());
+      view.set_(
+          bucket.flat.storage(), static_cast<int64_t>(bucket.offsets[slot]), bucket.sizes[slot],
+          c10::contiguous_strides(bucket.sizes[slot]));
+      if (options_.gradient_as_bucket_view) {
+        auto& grad = parameters_[index].mutable_grad();
+        if (grad.defined()) {
+          view.copy_(grad);
+          grad = view;
+        }
+      }
+      bucket.views.push_back(std::move(view));
+    }
+    bucket.pending = indices.size();
+    buckets_.push_back(std::move(bucket));
+  }
+}
+
+void Reducer::install_hooks() {
+  for (const auto i : c10::irange(parameters_.size())) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[i]);
+    TORCH_CHECK(accumulator, "DistributedDataParallel: parameter ", names_[i], " has no gradient accumulator");
+    hook_keys_.push_back(
+        accumulator->add_post_hook(std::make_unique<GradientReadyHook>([this, i] { on_gradient_accumulated(i); })));
+    grad_accumulators_.push_back(std::move(accumulator));
+  }
+}
+
+std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
+  std::vector<std::vector<size_t>> result;
+  for (const auto& bucket : buckets_) {
+    result.push_back(bucket.parameter_indices);
+  }
+  return result;
+}
+
+void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(hook, "register_comm_hook: the hook is null");
+  TORCH_CHECK(!comm_hook_, "register_comm_hook: a communication hook is already registered; it can be set only once");
+  TORCH_CHECK(
+      iteration_ == 0 && !backward_started_,
+      "register_comm_hook: register the hook before the first backward");
+  comm_hook_ = std::move(hook);
+}
+
+bool Reducer::rebuild_buckets_if_due() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const bool rebuild_allowed = !options_.find_unused_parameters || options_.static_graph;
+  if (buckets_rebuilt_ || iteration_ == 0 || !rebuild_allowed) {
+    return false;
+  }
+  buckets_rebuilt_ = true;
+  // Every rank must bucket identically; rank 0's observed order is the one all use.
+  auto order = at::empty({static_cast<int64_t>(parameters_.size())}, at::TensorOptions().dtype(at::kLong));
+  if (rank() == 0) {
+    TORCH_INTERNAL_ASSERT(observed_order_.size() == parameters_.size());
+    for (const auto i : c10::irange(observed_order_.size())) {
+      order.data_ptr<int64_t>()[i] = static_cast<int64_t>(observed_order_[i]);
+    }
+  }
+  std::vector<at::Tensor> tensors{order};
+  process_group_->broadcast(tensors)->wait();
+  std::vector<size_t> agreed(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
+  build_buckets(agreed);
+  return true;
+}
+
+std::vector<size_t> Reducer::unreachable_parameters(const std::vector<at::Tensor>& outputs) const {
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& output : outputs) {
+    if (!output.defined() || !output.requires_grad()) {
+      continue;
+    }
+    auto function = torch::autograd::impl::gradient_edge(output).function;
+    if (function && seen.insert(function.get()).second) {
+      stack.push_back(function.get());
+    }
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && seen.insert(edge.function.get()).second) {
+        stack.push_back(edge.function.get());
+      }
+    }
+  }
+  std::vector<size_t> unreachable;
+  for (const auto i : c10::irange(parameters_.size())) {
+    if (!seen.count(grad_accumulators_[i].get())) {
+      unreachable.push_back(i);
+    }
+  }
+  return unreachable;
+}
+
+bool Reducer::needs_used_map() const {
+  return options_.static_graph ? iteration_ == 0 : options_.find_unused_parameters;
+}
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  armed_ = true;
+  backward_started_ = false;
+  ready_.assign(parameters_.size(), false);
+  locally_used_.zero_();
+  next_bucket_to_launch_ = 0;
+  for (auto& bucket : buckets_) {
+    bucket.pending = bucket.parameter_indices.size();
+    bucket.future.reset();
+  }
+  if (needs_used_map()) {
+    unused_ = unreachable_parameters(outputs);
+  } else {
+    unused_ = static_unused_;
+  }
+}
+
+void Reducer::on_gradient_accumulated(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!armed_) {
+    return;  // no_sync, or a backward of a forward that did not go through DDP
+  }
+  if (!backward_started_) {
+    backward_started_ = true;
+    backward_began_at_ = std::chrono::system_clock::now();
+    torch::autograd::Engine::get_default_engine().queue_callback([this] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finalize_backward();
+    });
+    for (size_t unused : unused_) {
+      mark_ready(unused, /*produced_by_autograd=*/false);
+    }
+  }
+  mark_ready(index, /*produced_by_autograd=*/true);
+}
+
+void Reducer::mark_ready(size_t index, bool produced_by_autograd) {
+  TORCH_CHECK(
+      !ready_[index], "DistributedDataParallel (rank ", rank(), "): parameter ", names_[index],
+      " was marked ready twice in one backward. ",
+      produced_by_autograd && options_.find_unused_parameters
+          ? "find_unused_parameters marked it unused, yet autograd produced its gradient: were the forward's "
+            "outputs not all returned from forward?"
+          : "A reentrant backward (e.g. activation checkpointing) or a parameter shared by two DDP instances "
+            "can cause this; static_graph=true supports the former.");
+  ready_[index] = true;
+  if (iteration_ == 0 && !buckets_rebuilt_) {
+    observed_order_.push_back(index);
+  }
+  const auto& location = locations_[index];
+  auto& bucket = buckets_[location.bucket];
+  auto& view = bucket.views[location.slot];
+  auto& grad = parameters_[index].mutable_grad();
+  const bool average_here = comm_hook_ == nullptr;  // a hook receives raw sums and averages itself
+  if (!produced_by_autograd || !grad.defined()) {
+    view.zero_();
+  } else {
+    TORCH_CHECK(
+        grad.layout() == c10::kStrided, "DistributedDataParallel: parameter ", names_[index],
+        " has a sparse gradient; torchpar's reducer handles dense gradients only");
+    locally_used_.data_ptr<int32_t>()[index] = 1;
+    const auto scale = at::native::wrapped_scalar_tensor(1.0 / world_size());
+    if (grad.is_alias_of(view)) {
+      if (average_here) {
+        view.mul_(scale);
+      }
+    } else {
+      if (average_here) {
+        at::mul_out(view, grad, scale);
+      } else {
+        view.copy_(grad);
+      }
+      if (options_.gradient_as_bucket_view) {
+        grad = view;
+      }
+    }
+  }
+  if (--bucket.pending == 0) {
+    if (timeline_) {
+      timeline_->instant("bucket " + std::to_string(location.bucket) + " ready", "backward");
+    }
+    launch_ready_buckets();
+  }
+}
+
+void Reducer::launch_ready_buckets() {
+  // Collectives must be issued in the same order on every rank, whatever order gradients arrive in.
+  while (next_bucket_to_launch_ < buckets_.size() && buckets_[next_bucket_to_launch_].pending == 0) {
+    auto& bucket = buckets_[next_bucket_to_launch_];
+    bucket.future = communicate(next_bucket_to_launch_, bucket.flat);
+    ++next_bucket_to_launch_;
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::communicate(size_t bucket_index, at::Tensor buffer) {
+  const auto& bucket = buckets_[bucket_index];
+  const auto launched_at = std::chrono::system_clock::now();
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  if (comm_hook_) {
+    std::vector<c10::IntArrayRef> sizes(bucket.sizes.begin(), bucket.sizes.end());
+    std::vector<at::Tensor> parameters;
+    for (size_t index : bucket.parameter_indices) {
+      parameters.push_back(parameters_[index]);
+    }
+    c10d::GradBucket grad_bucket(
+        bucket_index, buckets_.size(), std::move(buffer), bucket.offsets, bucket.lengths, std::move(sizes),
+        std::move(parameters), std::nullopt);
+    future = comm_hook_->runHook(grad_bucket);
+    TORCH_CHECK(future, "DistributedDataParallel: the communication hook returned no future for bucket ", bucket_index);
+  } else {
+    std::vector<at::Tensor> tensors{std::move(buffer)};
+    future = process_group_->allreduce(tensors)->getFuture();
+  }
+  if (timeline_) {
+    future->addCallback([timeline = timeline_, bucket_index, launched_at](c10::ivalue::Future&) {
+      timeline->span("allreduce bucket " + std::to_string(bucket_index), "communication", launched_at);
+    });
+  }
+  return future;
+}
+
+at::Tensor Reducer::reduced_result(size_t bucket_index, const c10::intrusive_ptr<c10::ivalue::Future>& future) {
+  future->wait();
+  if (future->hasError()) {
+    const auto& bucket = buckets_[bucket_index];
+    TORCH_CHECK(
+        false, "DistributedDataParallel (rank ", rank(), "): the all-reduce of gradient bucket ", bucket_index,
+        " (", describe(bucket.parameter_indices), ") failed: ", future->tryRetrieveErrorMessage());
+  }
+  if (!comm_hook_) {
+    return {};
+  }
+  return comm_hook_->parseHookResult(future->value());
+}
+
+void Reducer::wait_for_buckets() {
+  for (const auto b : c10::irange(buckets_.size())) {
+    auto& bucket = buckets_[b];
+    if (!bucket.future) {
+      continue;
+    }
+    auto future = std::move(bucket.future);
+    bucket.future.reset();
+    const auto result = reduced_result(b, future);
+    if (result.defined() && !result.is_same(bucket.flat)) {
+      TORCH_CHECK(
+          result.numel() == bucket.flat.numel(), "DistributedDataParallel: the communication hook returned ",
+          result.numel(), " elements for bucket ", b, ", which holds ", bucket.flat.numel());
+      bucket.flat.copy_(result.view_as(bucket.flat));
+    }
+  }
+}
+
+at::Tensor Reducer::all_reduce_used_map(at::Tensor used) {
+  std::vector<at::Tensor> tensors{used};
+  auto work = process_group_->allreduce(tensors);
+  try {
+    work->wait();
+  } catch (const std::exception& error) {
+    TORCH_CHECK(
+        false, "DistributedDataParallel (rank ", rank(), "): the all-reduce of the used-parameter map failed: ",
+        error.what());
+  }
+  return used.gt(0);
+}
+
+void Reducer::finalize_backward() {
+  armed_ = false;
+  std::vector<size_t> missing;
+  for (const auto i : c10::irange(parameters_.size())) {
+    if (!ready_[i]) {
+      missing.push_back(i);
+    }
+  }
+  // Buckets already launched are waited for even on error, so no collective is left half-issued.
+  wait_for_buckets();
+  TORCH_CHECK(
+      missing.empty(), "DistributedDataParallel (rank ", rank(),
+      "): backward finished, but these parameters received no gradient: ", describe(missing),
+      ". Their buckets were never all-reduced. If parts of the model are legitimately unused in some "
+      "iterations, construct DistributedDataParallel with find_unused_parameters=true (or static_graph=true "
+      "when the same parameters are unused every iteration); otherwise make sure every output of forward "
+      "contributes to the loss.");
+  at::Tensor globally_used;
+  if (needs_used_map()) {
+    globally_used = all_reduce_used_map(locally_used_.clone());
+    if (options_.static_graph) {
+      static_unused_ = unused_;
+      static_globally_used_ = globally_used;
+    }
+  } else if (options_.static_graph) {
+    globally_used = static_globally_used_;
+  }
+  write_back_gradients(globally_used);
+  if (timeline_) {
+    timeline_->span("backward", "backward", backward_began_at_);
+  }
+  ++iteration_;
+}
+
+void Reducer::write_back_gradients(const at::Tensor& globally_used) {
+  for (const auto i : c10::irange(parameters_.size())) {
+    if (globally_used.defined() && !globally_used.data_ptr<bool>()[i]) {
+      continue;  // no rank used it: its .grad stays as it was, as in single-process training
+    }
+    const auto& location = locations_[i];
+    const auto& view = buckets_[location.bucket].views[location.slot];
+    auto& grad = parameters_[i].mutable_grad();
+    if (options_.gradient_as_bucket_view) {
+      if (!grad.defined() || !grad.is_alias_of(view)) {
+        grad = view;
+      }
+    } else if (!grad.defined()) {
+      grad = view.clone();
+    } else {
+      grad.copy_(view);
+    }
+  }
+}
+
+void Reducer::shadow_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+  for (const auto b : c10::irange(buckets_.size())) {
+    futures.push_back(communicate(b, at::zeros_like(buckets_[b].flat)));
+  }
+  for (const auto b : c10::irange(buckets_.size())) {
+    reduced_result(b, futures[b]);
+  }
+  if (needs_used_map()) {
+    auto used = all_reduce_used_map(at::zeros_like(locally_used_));
+    if (options_.static_graph) {
+      static_globally_used_ = used;
+    }
+  }
+  ++iteration_;
+}
+
+std::string Reducer::describe(const std::vector<size_t>& indices) const {
+  constexpr size_t kMaxNamed = 10;
+  std::ostringstream text;
+  for (const auto k : c10::irange(std::min(indices.size(), kMaxNamed))) {
+    text << (k ? ", " : "") << names_[indices[k]];
+  }
+  if (indices.size() > kMaxNamed) {
+    text << " and " << indices.size() - kMaxNamed << " more";
+  }
+  return text.str();
+}
+
+} // namespace torchpar::ddp

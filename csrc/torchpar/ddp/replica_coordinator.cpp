@@ -1,0 +1,286 @@
+#include <torchpar/ddp/replica_coordinator.h>
+
+#include <torchpar/ddp/reducer.h>
+#include <torchpar/ddp/timeline.h>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+
+namespace torchpar::ddp {
+namespace {
+
+constexpr size_t kBroadcastBucketBytes = 250u << 20;  // torch DDP's broadcast bucket
+
+std::vector<std::string> describe_replica(const NamedTensors& parameters, const NamedTensors& buffers) {
+  std::vector<std::string> lines;
+  auto add = [&](const char* kind, const NamedTensors& tensors) {
+    for (const auto& [name, tensor] : tensors) {
+      std::ostringstream line;
+      line << kind << ' ' << name << ' ' << tensor.sizes() << ' ' << tensor.scalar_type()
+           << (tensor.requires_grad() ? "" : " (no grad)");
+      lines.push_back(line.str());
+    }
+  };
+  add("parameter", parameters);
+  add("buffer", buffers);
+  return lines;
+}
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream stream(text);
+  for (std::string line; std::getline(stream, line);) {
+    lines.push_back(line);
+  }
+  return lines;
+}
+
+// Every rank's text, gathered to every rank.
+std::vector<std::string> all_gather_text(c10d::ProcessGroup& group, const std::string& text) {
+  const int world = group.getSize();
+  std::vector<at::Tensor> length_in{at::empty({1}, at::kLong)};
+  length_in[0].data_ptr<int64_t>()[0] = static_cast<int64_t>(text.size());
+  std::vector<std::vector<at::Tensor>> length_out(1);
+  for (int r = 0; r < world; ++r) {
+    length_out[0].push_back(at::empty({1}, at::kLong));
+  }
+  group.allgather(length_out, length_in)->wait();
+  int64_t longest = 0;
+  for (const auto& length : length_out[0]) {
+    longest = std::max(longest, length.item<int64_t>());
+  }
+  auto padded = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
+  std::copy(text.begin(), text.end(), padded.data_ptr<uint8_t>());
+  std::vector<at::Tensor> text_in{padded};
+  std::vector<std::vector<at::Tensor>> text_out(1);
+  for (int r = 0; r < world; ++r) {
+    text_out[0].push_back(at::empty_like(padded));
+  }
+  group.allgather(text_out, text_in)->wait();
+  std::vector<std::string> texts;
+  for (int r = 0; r < world; ++r) {
+    const auto* bytes = reinterpret_cast<const char*>(text_out[0][r].data_ptr<uint8_t>());
+    texts.emplace_back(bytes, length_out[0][r].item<int64_t>());
+  }
+  return texts;
+}
+
+} // namespace
+
+ReplicaCoordinator::ReplicaCoordinator(
+    NamedTensors parameters, NamedTensors buffers, DistributedDataParallelOptions options)
+    : parameters_(std::move(parameters)), buffers_(std::move(buffers)), options_(std::move(options)) {
+  TORCH_CHECK(
+      options_.process_group(),
+      "DistributedDataParallel: no process group; set DistributedDataParallelOptions::process_group to the "
+      "group torchpar::init_process_group returned");
+  TORCH_CHECK(options_.bucket_cap_mb() > 0, "DistributedDataParallel: bucket_cap_mb must be > 0, got ",
+              options_.bucket_cap_mb());
+  verify_replicas_match();
+  broadcast_state(/*source_rank=*/0, /*include_parameters=*/true);
+  timeline_ = Timeline::from_environment(options_.process_group()->getRank());
+
+  std::vector<at::Tensor> trainable;
+  std::vector<std::string> names;
+  for (const auto& [name, parameter] : parameters_) {
+    if (parameter.requires_grad()) {
+      trainable.push_back(parameter);
+      names.push_back(name);
+    }
+  }
+  ReducerOptions reducer_options;
+  reducer_options.bucket_cap_bytes = static_cast<size_t>(options_.bucket_cap_mb() * (1 << 20));
+  reducer_options.first_bucket_cap_bytes =
+      static_cast<size_t>(std::min(options_.first_bucket_cap_mb(), options_.bucket_cap_mb()) * (1 << 20));
+  reducer_options.find_unused_parameters = options_.find_unused_parameters();
+  reducer_options.gradient_as_bucket_view = options_.gradient_as_bucket_view();
+  reducer_options.static_graph = options_.static_graph();
+  reducer_ = std::make_unique<Reducer>(
+      std::move(trainable), std::move(names), options_.process_group(), reducer_options, timeline_);
+}
+
+ReplicaCoordinator::~ReplicaCoordinator() = default;
+
+void ReplicaCoordinator::verify_replicas_match() const {
+  auto& group = *options_.process_group();
+  const auto local = describe_replica(parameters_, buffers_);
+  std::ostringstream joined;
+  for (const auto& line : local) {
+    joined << line << '\n';
+  }
+  const auto texts = all_gather_text(group, joined.str());
+  std::vector<std::vector<std::string>> replicas;
+  for (const auto& text : texts) {
+    replicas.push_back(split_lines(text));
+  }
+  size_t first_difference = SIZE_MAX;
+  const auto& reference = replicas.front();
+  for (const auto& replica : replicas) {
+    for (size_t k = 0; k < std::max(reference.size(), replica.size()); ++k) {
+      if (k >= reference.size() || k >= replica.size() || reference[k] != replica[k]) {
+        first_difference = std::min(first_difference, k);
+        break;
+      }
+    }
+  }
+  if (first_difference == SIZE_MAX) {
+    return;
+  }
+  std::ostringstream message;
+  message << "DistributedDataParallel: the model differs across ranks (checked on rank " << group.getRank()
+          << "); first difference at entry " << first_difference << " of the parameter/buffer list:";
+  std::vector<int> differing;
+  for (const auto r : c10::irange(replicas.size())) {
+    const auto& lines = replicas[r];
+    const bool differs = r > 0 && (first_difference >= lines.size() || first_difference >= replicas[0].size() ||
+                                   lines[first_difference] != replicas[0][first_difference]);
+    if (r == 0 || differs) {
+      message << "\n  rank " << r << ": "
+              << (first_difference < lines.size() ? lines[first_difference]
+                                                  : "nothing (it has " + std::to_string(lines.size()) + " entries)");
+    }
+    if (differs) {
+      differing.push_back(static_cast<int>(r));
+    }
+  }
+  message << "\nranks that differ from rank 0:";
+  for (int r : differing) {
+    message << ' ' << r;
+  }
+  message << ". Every rank must construct the same model.";
+  TORCH_CHECK(false, message.str());
+}
+
+void ReplicaCoordinator::broadcast_state(int source_rank, bool include_parameters) {
+  std::vector<at::Tensor> tensors;
+  if (include_parameters) {
+    for (const auto& [name, parameter] : parameters_) {
+      tensors.push_back(parameter);
+    }
+  }
+  for (const auto& [name, buffer] : buffers_) {
+    tensors.push_back(buffer);
+  }
+  if (tensors.empty()) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  c10d::broadcast_coalesced(options_.process_group(), tensors, kBroadcastBucketBytes, source_rank);
+}
+
+bool ReplicaCoordinator::will_sync() const {
+  return grad_sync_ && at::GradMode::is_enabled();
+}
+
+void ReplicaCoordinator::pre_forward(bool will_sync) {
+  forward_began_at_ = std::chrono::system_clock::now();
+  const bool broadcast_buffers = options_.broadcast_buffers() && !buffers_.empty() && sync_buffers_next_forward_;
+  int buffer_source = 0;
+  if (join_enabled_) {
+    const auto status = exchange_join_status(true, will_sync, broadcast_buffers);
+    ++joined_forwards_;
+    // The highest active rank is the authority: lower ones may have stopped training already.
+    buffer_source = status.active_ranks.back();
+  }
+  if (will_sync) {
+    reducer_->rebuild_buckets_if_due();
+  }
+  if (broadcast_buffers) {
+    broadcast_state(buffer_source, /*include_parameters=*/false);
+  }
+}
+
+void ReplicaCoordinator::post_forward(const std::vector<at::Tensor>& outputs, bool will_sync) {
+  sync_buffers_next_forward_ = will_sync;
+  if (will_sync) {
+    reducer_->prepare_for_backward(outputs);
+  }
+  if (timeline_) {
+    timeline_->span("forward", "forward", forward_began_at_);
+  }
+}
+
+ReplicaCoordinator::JoinStatus ReplicaCoordinator::exchange_join_status(
+    bool active, bool will_sync, bool will_broadcast_buffers) {
+  auto& group = *options_.process_group();
+  const int world = group.getSize();
+  // Slots 0..world-1: who is active; world: how many synchronise; world+1: how many broadcast buffers.
+  auto status = at::zeros({world + 2}, at::kInt);
+  auto* slots = status.data_ptr<int32_t>();
+  slots[group.getRank()] = active ? 1 : 0;
+  slots[world] = active && will_sync ? 1 : 0;
+  slots[world + 1] = active && will_broadcast_buffers ? 1 : 0;
+  std::vector<at::Tensor> tensors{status};
+  group.allreduce(tensors)->wait();
+  JoinStatus result;
+  for (int r = 0; r < world; ++r) {
+    if (slots[r]) {
+      result.active_ranks.push_back(r);
+    }
+  }
+  const int active_count = static_cast<int>(result.active_ranks.size());
+  TORCH_CHECK(
+      (slots[world] == 0 || slots[world] == active_count) && (slots[world + 1] == 0 || slots[world + 1] == active_count),
+      "DistributedDataParallel join (rank ", group.getRank(), "): the ", active_count,
+      " active ranks disagree about this iteration: ", slots[world], " synchronise gradients and ", slots[world + 1],
+      " broadcast buffers; every rank must enter no_sync / torch.no_grad together");
+  result.syncing_gradients = slots[world] > 0;
+  result.broadcasting_buffers = slots[world + 1] > 0;
+  return result;
+}
+
+void ReplicaCoordinator::begin_join() {
+  TORCH_CHECK(!join_enabled_, "DistributedDataParallel: join contexts cannot be nested");
+  join_enabled_ = true;
+  joined_forwards_ = 0;
+}
+
+void ReplicaCoordinator::finish_join() {
+  TORCH_CHECK(join_enabled_, "DistributedDataParallel: finish_join without begin_join");
+  join_enabled_ = false;
+  for (;;) {
+    const auto status = exchange_join_status(false, false, false);
+    if (status.active_ranks.empty()) {
+      break;
+    }
+    if (status.syncing_gradients) {
+      reducer_->rebuild_buckets_if_due();
+    }
+    if (status.broadcasting_buffers) {
+      broadcast_state(status.active_ranks.back(), /*include_parameters=*/false);
+    }
+    if (status.syncing_gradients) {
+      reducer_->shadow_backward();
+    }
+  }
+  // The rank that ran the most forwards (the highest such rank) holds the final model.
+  auto& group = *options_.process_group();
+  auto forwards = at::zeros({group.getSize()}, at::kLong);
+  forwards.data_ptr<int64_t>()[group.getRank()] = joined_forwards_;
+  std::vector<at::Tensor> tensors{forwards};
+  group.allreduce(tensors)->wait();
+  const auto* counts = forwards.data_ptr<int64_t>();
+  int authority = 0;
+  for (int r = 1; r < group.getSize(); ++r) {
+    if (counts[r] >= counts[authority]) {
+      authority = r;
+    }
+  }
+  broadcast_state(authority, /*include_parameters=*/true);
+  sync_buffers_next_forward_ = true;
+}
+
+void ReplicaCoordinator::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
+  reducer_->register_comm_hook(std::move(hook));
+}
+
+} // namespace torchpar::ddp

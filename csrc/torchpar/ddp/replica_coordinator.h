@@ -1,0 +1,80 @@
+// Everything DistributedDataParallel does around the wrapped module's forward, independent of how the
+// module is written (a LibTorch C++ module or a Python nn.Module): checks at construction that every
+// rank holds the same parameters and copies rank 0's values; per forward broadcasts buffers and arms
+// the Reducer; no_sync; and join, which lets ranks that ran out of data shadow the others' collectives.
+#pragma once
+#include <torchpar/ddp/options.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace c10d {
+class CommHookInterface;
+} // namespace c10d
+
+namespace torchpar::ddp {
+
+class Reducer;
+class Timeline;
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+class ReplicaCoordinator {
+ public:
+  // Collective: every rank of the group must construct it with its replica's tensors.
+  ReplicaCoordinator(NamedTensors parameters, NamedTensors buffers, DistributedDataParallelOptions options);
+  ~ReplicaCoordinator();
+
+  // Whether the coming forward's backward will all-reduce gradients: grad mode on and sync enabled.
+  bool will_sync() const;
+  // Around the wrapped module's forward; `outputs` are the tensors the forward returned.
+  void pre_forward(bool will_sync);
+  void post_forward(const std::vector<at::Tensor>& outputs, bool will_sync);
+
+  // no_sync: while false, backward accumulates gradients locally and communicates nothing.
+  void set_grad_sync(bool enabled) { grad_sync_ = enabled; }
+  bool grad_sync() const { return grad_sync_; }
+
+  // Uneven inputs. Between begin_join() and finish_join() each forward also tells the others that this
+  // rank is still active. finish_join() (called when this rank's data is exhausted) shadows the
+  // collectives of the ranks still training until all have finished, then copies the parameters and
+  // buffers of the rank that trained longest to every rank. Collective.
+  void begin_join();
+  void finish_join();
+
+  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
+  Reducer& reducer() { return *reducer_; }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return options_.process_group(); }
+  const std::shared_ptr<Timeline>& timeline() const { return timeline_; }
+
+ private:
+  void verify_replicas_match() const;
+  void broadcast_state(int source_rank, bool include_parameters);
+  struct JoinStatus {
+    std::vector<int> active_ranks;
+    bool syncing_gradients = false;
+    bool broadcasting_buffers = false;
+  };
+  // One all-reduce telling every rank, joined or not, what the active ranks do this iteration.
+  JoinStatus exchange_join_status(bool active, bool will_sync, bool will_broadcast_buffers);
+
+  NamedTensors parameters_;
+  NamedTensors buffers_;
+  DistributedDataParallelOptions options_;
+  std::shared_ptr<Timeline> timeline_;
+  std::unique_ptr<Reducer> reducer_;
+  bool grad_sync_ = true;
+  bool join_enabled_ = false;
+  int64_t joined_forwards_ = 0;
+  // As torch: buffers are broadcast before a forward only if the previous forward synchronised.
+  bool sync_buffers_next_forward_ = true;
+  std::chrono::system_clock::time_point forward_began_at_;
+};
+
+} // namespace torchpar::ddp
