@@ -169,7 +169,11 @@ class DistributedDataParallel(nn.Module):
             yield
             return
         self._coordinator.begin_join()
-        yield
+        try:
+            yield
+        except BaseException:
+            self._coordinator.cancel_join()  # no shadowing after an error: the others time out instead
+            raise
         self._coordinator.finish_join()
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:

@@ -51,3 +51,28 @@ def test_a_rank_dying_mid_backward_gives_the_others_a_clear_error_within_the_tim
     message, seconds = outcomes[0].value
     assert "DistributedDataParallel (rank 0)" in message and "gradient bucket" in message, message
     assert seconds < 15, f"the error took {seconds:.1f} s, past the 10 s timeout"
+
+
+def backward_raises_midway(rank, world):
+    ddp = torchpar.DistributedDataParallel(make_model("mlp"), bucket_cap_mb=1e-9)
+    inputs, targets = torch.randn(4, 12), torch.randint(0, 5, (4,))
+    first_weight = list(ddp.module.parameters())[0]
+    handle = first_weight.register_hook(lambda grad: (_ for _ in ()).throw(ValueError("user hook failed")))
+    try:
+        loss_of(ddp(inputs), targets).backward()
+    except ValueError:
+        pass
+    handle.remove()
+    try:
+        ddp(inputs)
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError("the forward after an unfinished backward did not report it")
+    loss_of(ddp(inputs), targets).backward()  # the next full step works again
+    return message
+
+
+def test_a_backward_that_raised_midway_is_reported_at_the_next_forward():
+    for message in run_on_ranks(2, backward_raises_midway, deadline_s=60, collective_timeout_s=20):
+        assert "previous backward stopped before all gradient buckets were reduced" in message, message

@@ -255,3 +255,31 @@ def test_timeline_records_forward_backward_and_overlapping_allreduces(tmp_path):
         )
         # The first bucket's all-reduce starts while backward is still running: communication overlaps.
         assert backward["ts"] <= first_allreduce["ts"] < backward["ts"] + backward["dur"]
+
+
+def no_sync_then_unused(rank, world):
+    k = 2
+    model = make_model("two_branch")
+    reference = copy.deepcopy(model)
+    ddp = torchpar.DistributedDataParallel(model, find_unused_parameters=True)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.2)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
+    for batch in global_batches("two_branch", 3, world, PER_RANK * k):
+        optimizer.zero_grad()
+        (first_x, last_x), (first_y, last_y) = (t.chunk(k) for t in shard(batch, rank, world))
+        with ddp.no_sync():  # the rare branch is used only in the accumulated micro-batch
+            (loss_of(ddp(first_x, use_rare=True), first_y) / k).backward()
+        (loss_of(ddp(last_x), last_y) / k).backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        for r in range(world):
+            (first_x, last_x), (first_y, last_y) = (t.chunk(k) for t in shard(batch, r, world))
+            (loss_of(reference(first_x, use_rare=True), first_y) / k / world).backward()
+            (loss_of(reference(last_x), last_y) / k / world).backward()
+        reference_optimizer.step()
+    difference = max_difference(model, reference)
+    assert difference < 1e-5, f"a gradient accumulated under no_sync was lost or not averaged: {difference:.3g}"
+
+
+def test_gradients_accumulated_under_no_sync_count_even_if_the_synced_step_leaves_them_unused():
+    run_on_ranks(2, no_sync_then_unused)

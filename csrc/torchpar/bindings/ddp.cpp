@@ -44,6 +44,7 @@ void bind_ddp(py::module_& module) {
       .def_property("grad_sync", &ReplicaCoordinator::grad_sync, &ReplicaCoordinator::set_grad_sync)
       .def("begin_join", &ReplicaCoordinator::begin_join)
       .def("finish_join", &ReplicaCoordinator::finish_join, py::call_guard<py::gil_scoped_release>())
+      .def("cancel_join", &ReplicaCoordinator::cancel_join)
       .def(
           "register_comm_hook",
           [](ReplicaCoordinator& self, py::object state, py::object hook) {

@@ -99,7 +99,12 @@ class DistributedDataParallel {
   // model of the rank that trained longest.
   void join(const std::function<void()>& train_loop) {
     coordinator_->begin_join();
-    train_loop();
+    try {
+      train_loop();
+    } catch (...) {
+      coordinator_->cancel_join();
+      throw;
+    }
     coordinator_->finish_join();
   }
 

@@ -36,6 +36,12 @@ PowerSGDHook::PowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSG
     : group_(std::move(group)), options_(options) {
   TORCH_CHECK(group_, "PowerSGD hook: no process group given");
   TORCH_CHECK(options_.matrix_approximation_rank() >= 1, "PowerSGD hook: matrix_approximation_rank must be >= 1");
+  // Buckets are rebuilt before the second iteration; state kept from the first would describe other
+  // parameters.
+  TORCH_CHECK(
+      options_.start_powerSGD_iter() >= 1 || (!options_.use_error_feedback() && !options_.warm_start()),
+      "PowerSGD hook: start_powerSGD_iter must be >= 1 when error feedback or warm start is on (the "
+      "gradient buckets are rebuilt after the first iteration), got ", options_.start_powerSGD_iter());
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::runHook(c10d::GradBucket& bucket) {

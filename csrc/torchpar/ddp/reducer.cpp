@@ -89,6 +89,10 @@ int Reducer::world_size() const {
   return process_group_->getSize();
 }
 
+at::Device Reducer::device() const {
+  return parameters_.front().device();
+}
+
 void Reducer::build_buckets(const std::vector<size_t>& order) {
   std::vector<BucketableParameter> sizes;
   sizes.reserve(parameters_.size());
@@ -173,13 +177,22 @@ bool Reducer::rebuild_buckets_if_due() {
   // Every rank must bucket identically; rank 0's observed order is the one all use.
   auto order = at::empty({static_cast<int64_t>(parameters_.size())}, at::TensorOptions().dtype(at::kLong));
   if (rank() == 0) {
-    TORCH_INTERNAL_ASSERT(observed_order_.size() == parameters_.size());
-    for (const auto i : c10::irange(observed_order_.size())) {
-      order.data_ptr<int64_t>()[i] = static_cast<int64_t>(observed_order_[i]);
+    // Rank 0 may have observed no complete order (it joined before its first backward): then the
+    // current order stands. Either way every rank receives the same permutation.
+    std::vector<size_t> proposal = observed_order_;
+    if (proposal.size() != parameters_.size()) {
+      proposal.clear();
+      for (const auto& bucket : buckets_) {
+        proposal.insert(proposal.end(), bucket.parameter_indices.begin(), bucket.parameter_indices.end());
+      }
+    }
+    for (const auto i : c10::irange(proposal.size())) {
+      order.data_ptr<int64_t>()[i] = static_cast<int64_t>(proposal[i]);
     }
   }
-  std::vector<at::Tensor> tensors{order};
+  std::vector<at::Tensor> tensors{order.to(device())};
   process_group_->broadcast(tensors)->wait();
+  order = tensors[0].cpu();
   std::vector<size_t> agreed(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
   build_buckets(agreed);
   return true;
@@ -221,14 +234,28 @@ bool Reducer::needs_used_map() const {
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (armed_ && backward_started_) {
+    // The last backward raised before its end-of-backward callback: wait for what it launched, so no
+    // collective still writes into the buckets, and say that the ranks may now be out of step.
+    armed_ = false;
+    const auto error = wait_for_buckets();
+    TORCH_CHECK(
+        false, "DistributedDataParallel (rank ", rank(),
+        "): the previous backward stopped before all gradient buckets were reduced",
+        error.empty() ? "" : " (" + error + ")",
+        "; this rank's collectives may no longer match the other ranks'. Every rank must finish every "
+        "synchronised backward (skipping a batch on one rank needs no_sync on all).");
+  }
   armed_ = true;
   backward_started_ = false;
   ready_.assign(parameters_.size(), false);
-  locally_used_.zero_();
   next_bucket_to_launch_ = 0;
   for (auto& bucket : buckets_) {
     bucket.pending = bucket.parameter_indices.size();
     bucket.future.reset();
+  }
+  if (iteration_ == 0) {
+    observed_order_.clear();  // only a complete first backward's order counts
   }
   if (needs_used_map()) {
     unused_ = unreachable_parameters(outputs);
@@ -239,6 +266,11 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
 
 void Reducer::on_gradient_accumulated(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // Recorded under no_sync too: a gradient accumulated there is this rank's contribution to the next
+  // synchronised step even if that step's forward leaves the parameter unused (torch does the same).
+  if (parameters_[index].grad().defined()) {
+    locally_used_.data_ptr<int32_t>()[index] = 1;
+  }
   if (!armed_) {
     return;  // no_sync, or a backward of a forward that did not go through DDP
   }
@@ -263,8 +295,8 @@ void Reducer::mark_ready(size_t index, bool produced_by_autograd) {
       produced_by_autograd && options_.find_unused_parameters
           ? "find_unused_parameters marked it unused, yet autograd produced its gradient: were the forward's "
             "outputs not all returned from forward?"
-          : "A reentrant backward (e.g. activation checkpointing) or a parameter shared by two DDP instances "
-            "can cause this; static_graph=true supports the former.");
+          : "A reentrant backward (activation checkpointing with use_reentrant=True) or a parameter shared "
+            "by two DDP instances causes this; neither is supported.");
   ready_[index] = true;
   if (iteration_ == 0 && !buckets_rebuilt_) {
     observed_order_.push_back(index);
@@ -274,23 +306,23 @@ void Reducer::mark_ready(size_t index, bool produced_by_autograd) {
   auto& view = bucket.views[location.slot];
   auto& grad = parameters_[index].mutable_grad();
   const bool average_here = comm_hook_ == nullptr;  // a hook receives raw sums and averages itself
-  if (!produced_by_autograd || !grad.defined()) {
+  if (!grad.defined()) {
     view.zero_();
   } else {
     TORCH_CHECK(
         grad.layout() == c10::kStrided, "DistributedDataParallel: parameter ", names_[index],
         " has a sparse gradient; torchpar's reducer handles dense gradients only");
-    locally_used_.data_ptr<int32_t>()[index] = 1;
     const auto scale = at::native::wrapped_scalar_tensor(1.0 / world_size());
     if (grad.is_alias_of(view)) {
       if (average_here) {
         view.mul_(scale);
       }
     } else {
+      // detach: with backward(create_graph=true) the gradient requires grad, which out= refuses.
       if (average_here) {
-        at::mul_out(view, grad, scale);
+        at::mul_out(view, grad.detach(), scale);
       } else {
-        view.copy_(grad);
+        view.copy_(grad.detach());
       }
       if (options_.gradient_as_bucket_view) {
         grad = view;
@@ -346,8 +378,8 @@ at::Tensor Reducer::reduced_result(size_t bucket_index, const c10::intrusive_ptr
   if (future->hasError()) {
     const auto& bucket = buckets_[bucket_index];
     TORCH_CHECK(
-        false, "DistributedDataParallel (rank ", rank(), "): the all-reduce of gradient bucket ", bucket_index,
-        " (", describe(bucket.parameter_indices), ") failed: ", future->tryRetrieveErrorMessage());
+        false, "the all-reduce of gradient bucket ", bucket_index, " (", describe(bucket.parameter_indices),
+        ") failed: ", future->tryRetrieveErrorMessage());
   }
   if (!comm_hook_) {
     return {};
@@ -355,7 +387,8 @@ at::Tensor Reducer::reduced_result(size_t bucket_index, const c10::intrusive_ptr
   return comm_hook_->parseHookResult(future->value());
 }
 
-void Reducer::wait_for_buckets() {
+std::string Reducer::wait_for_buckets() {
+  std::string first_error;
   for (const auto b : c10::irange(buckets_.size())) {
     auto& bucket = buckets_[b];
     if (!bucket.future) {
@@ -363,18 +396,26 @@ void Reducer::wait_for_buckets() {
     }
     auto future = std::move(bucket.future);
     bucket.future.reset();
-    const auto result = reduced_result(b, future);
-    if (result.defined() && !result.is_same(bucket.flat)) {
-      TORCH_CHECK(
-          result.numel() == bucket.flat.numel(), "DistributedDataParallel: the communication hook returned ",
-          result.numel(), " elements for bucket ", b, ", which holds ", bucket.flat.numel());
-      bucket.flat.copy_(result.view_as(bucket.flat));
+    try {
+      const auto result = reduced_result(b, future);
+      if (result.defined() && !result.is_same(bucket.flat)) {
+        TORCH_CHECK(
+            result.numel() == bucket.flat.numel(), "the communication hook returned ", result.numel(),
+            " elements for bucket ", b, ", which holds ", bucket.flat.numel());
+        bucket.flat.copy_(result.view_as(bucket.flat));
+      }
+    } catch (const c10::Error& error) {
+      // Keep waiting for the other buckets: none may still be in flight when this returns.
+      if (first_error.empty()) {
+        first_error = error.what_without_backtrace();
+      }
     }
   }
+  return first_error;
 }
 
 at::Tensor Reducer::all_reduce_used_map(at::Tensor used) {
-  std::vector<at::Tensor> tensors{used};
+  std::vector<at::Tensor> tensors{used.to(device())};
   auto work = process_group_->allreduce(tensors);
   try {
     work->wait();
@@ -383,7 +424,7 @@ at::Tensor Reducer::all_reduce_used_map(at::Tensor used) {
         false, "DistributedDataParallel (rank ", rank(), "): the all-reduce of the used-parameter map failed: ",
         error.what());
   }
-  return used.gt(0);
+  return tensors[0].cpu().gt(0);
 }
 
 void Reducer::finalize_backward() {
@@ -395,7 +436,8 @@ void Reducer::finalize_backward() {
     }
   }
   // Buckets already launched are waited for even on error, so no collective is left half-issued.
-  wait_for_buckets();
+  const auto communication_error = wait_for_buckets();
+  TORCH_CHECK(communication_error.empty(), "DistributedDataParallel (rank ", rank(), "): ", communication_error);
   TORCH_CHECK(
       missing.empty(), "DistributedDataParallel (rank ", rank(),
       "): backward finished, but these parameters received no gradient: ", describe(missing),
@@ -404,8 +446,10 @@ void Reducer::finalize_backward() {
       "when the same parameters are unused every iteration); otherwise make sure every output of forward "
       "contributes to the loss.");
   at::Tensor globally_used;
+  const auto locally_used = locally_used_.clone();
+  locally_used_.zero_();
   if (needs_used_map()) {
-    globally_used = all_reduce_used_map(locally_used_.clone());
+    globally_used = all_reduce_used_map(locally_used);
     if (options_.static_graph) {
       static_unused_ = unused_;
       static_globally_used_ = globally_used;
@@ -447,7 +491,11 @@ void Reducer::shadow_backward() {
     futures.push_back(communicate(b, at::zeros_like(buckets_[b].flat)));
   }
   for (const auto b : c10::irange(buckets_.size())) {
-    reduced_result(b, futures[b]);
+    try {
+      reduced_result(b, futures[b]);
+    } catch (const c10::Error& error) {
+      TORCH_CHECK(false, "DistributedDataParallel join (rank ", rank(), "): ", error.what_without_backtrace());
+    }
   }
   if (needs_used_map()) {
     auto used = all_reduce_used_map(at::zeros_like(locally_used_));

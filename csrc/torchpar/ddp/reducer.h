@@ -97,7 +97,8 @@ class Reducer {
   // Waits; returns the hook's result tensor (undefined for the in-place default all-reduce).
   at::Tensor reduced_result(size_t bucket_index, const c10::intrusive_ptr<c10::ivalue::Future>& future);
   void finalize_backward();
-  void wait_for_buckets();
+  // Waits for every launched bucket; returns the first failure's message ("" if none).
+  std::string wait_for_buckets();
   // Sums per-parameter use flags over ranks; true where some rank produced a gradient.
   at::Tensor all_reduce_used_map(at::Tensor used);
   void write_back_gradients(const at::Tensor& globally_used);
@@ -106,6 +107,8 @@ class Reducer {
   std::string describe(const std::vector<size_t>& indices) const;
   int rank() const;
   int world_size() const;
+  // Where the replica lives, hence where collectives' control tensors must be (NCCL takes no CPU tensors).
+  at::Device device() const;
 
   std::vector<at::Tensor> parameters_;
   std::vector<std::string> names_;
@@ -125,7 +128,7 @@ class Reducer {
   bool backward_started_ = false;
   std::vector<bool> ready_;
   std::vector<size_t> unused_;       // marked ready at the first hook, no gradient of their own
-  at::Tensor locally_used_;          // int32 per parameter, 1 if autograd produced its gradient
+  at::Tensor locally_used_;          // int32 per parameter: autograd produced its gradient (no_sync too)
   size_t next_bucket_to_launch_ = 0;
   std::chrono::system_clock::time_point backward_began_at_;
 

@@ -44,34 +44,46 @@ std::vector<std::string> split_lines(const std::string& text) {
   return lines;
 }
 
+// Every rank's copy of `tensor` (all the same shape), gathered to every rank, back on the CPU.
+std::vector<at::Tensor> all_gather(c10d::ProcessGroup& group, const at::Tensor& tensor, at::Device device) {
+  std::vector<at::Tensor> input{tensor.to(device)};
+  std::vector<std::vector<at::Tensor>> output(1);
+  for (int r = 0; r < group.getSize(); ++r) {
+    output[0].push_back(at::empty_like(input[0]));
+  }
+  group.allgather(output, input)->wait();
+  std::vector<at::Tensor> gathered;
+  for (auto& copy : output[0]) {
+    gathered.push_back(copy.cpu());
+  }
+  return gathered;
+}
+
 // Every rank's text, gathered to every rank.
-std::vector<std::string> all_gather_text(c10d::ProcessGroup& group, const std::string& text) {
-  const int world = group.getSize();
-  std::vector<at::Tensor> length_in{at::empty({1}, at::kLong)};
-  length_in[0].data_ptr<int64_t>()[0] = static_cast<int64_t>(text.size());
-  std::vector<std::vector<at::Tensor>> length_out(1);
-  for (int r = 0; r < world; ++r) {
-    length_out[0].push_back(at::empty({1}, at::kLong));
+std::vector<std::string> all_gather_text(c10d::ProcessGroup& group, const std::string& text, at::Device device) {
+  auto length = at::empty({1}, at::kLong);
+  length.data_ptr<int64_t>()[0] = static_cast<int64_t>(text.size());
+  const auto lengths = all_gather(group, length, device);
+  int64_t longest = 1;
+  for (const auto& each : lengths) {
+    longest = std::max(longest, each.item<int64_t>());
   }
-  group.allgather(length_out, length_in)->wait();
-  int64_t longest = 0;
-  for (const auto& length : length_out[0]) {
-    longest = std::max(longest, length.item<int64_t>());
-  }
-  auto padded = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
+  auto padded = at::zeros({longest}, at::kByte);
   std::copy(text.begin(), text.end(), padded.data_ptr<uint8_t>());
-  std::vector<at::Tensor> text_in{padded};
-  std::vector<std::vector<at::Tensor>> text_out(1);
-  for (int r = 0; r < world; ++r) {
-    text_out[0].push_back(at::empty_like(padded));
-  }
-  group.allgather(text_out, text_in)->wait();
+  const auto gathered = all_gather(group, padded, device);
   std::vector<std::string> texts;
-  for (int r = 0; r < world; ++r) {
-    const auto* bytes = reinterpret_cast<const char*>(text_out[0][r].data_ptr<uint8_t>());
-    texts.emplace_back(bytes, length_out[0][r].item<int64_t>());
+  for (const auto r : c10::irange(gathered.size())) {
+    const auto* bytes = reinterpret_cast<const char*>(gathered[r].data_ptr<uint8_t>());
+    texts.emplace_back(bytes, lengths[r].item<int64_t>());
   }
   return texts;
+}
+
+// Sums `tensor` over the group; collectives run where the replica lives (NCCL groups take no CPU tensors).
+at::Tensor all_reduce_sum(c10d::ProcessGroup& group, const at::Tensor& tensor, at::Device device) {
+  std::vector<at::Tensor> tensors{tensor.to(device)};
+  group.allreduce(tensors)->wait();
+  return tensors[0].cpu();
 }
 
 } // namespace
@@ -117,7 +129,7 @@ void ReplicaCoordinator::verify_replicas_match() const {
   for (const auto& line : local) {
     joined << line << '\n';
   }
-  const auto texts = all_gather_text(group, joined.str());
+  const auto texts = all_gather_text(group, joined.str(), device());
   std::vector<std::vector<std::string>> replicas;
   for (const auto& text : texts) {
     replicas.push_back(split_lines(text));
@@ -177,6 +189,10 @@ void ReplicaCoordinator::broadcast_state(int source_rank, bool include_parameter
   c10d::broadcast_coalesced(options_.process_group(), tensors, kBroadcastBucketBytes, source_rank);
 }
 
+at::Device ReplicaCoordinator::device() const {
+  return parameters_.empty() ? at::Device(at::kCPU) : parameters_.front().second.device();
+}
+
 bool ReplicaCoordinator::will_sync() const {
   return grad_sync_ && at::GradMode::is_enabled();
 }
@@ -219,8 +235,8 @@ ReplicaCoordinator::JoinStatus ReplicaCoordinator::exchange_join_status(
   slots[group.getRank()] = active ? 1 : 0;
   slots[world] = active && will_sync ? 1 : 0;
   slots[world + 1] = active && will_broadcast_buffers ? 1 : 0;
-  std::vector<at::Tensor> tensors{status};
-  group.allreduce(tensors)->wait();
+  status = all_reduce_sum(group, status, device());
+  slots = status.data_ptr<int32_t>();
   JoinStatus result;
   for (int r = 0; r < world; ++r) {
     if (slots[r]) {
@@ -242,6 +258,10 @@ void ReplicaCoordinator::begin_join() {
   TORCH_CHECK(!join_enabled_, "DistributedDataParallel: join contexts cannot be nested");
   join_enabled_ = true;
   joined_forwards_ = 0;
+}
+
+void ReplicaCoordinator::cancel_join() {
+  join_enabled_ = false;
 }
 
 void ReplicaCoordinator::finish_join() {
@@ -266,8 +286,7 @@ void ReplicaCoordinator::finish_join() {
   auto& group = *options_.process_group();
   auto forwards = at::zeros({group.getSize()}, at::kLong);
   forwards.data_ptr<int64_t>()[group.getRank()] = joined_forwards_;
-  std::vector<at::Tensor> tensors{forwards};
-  group.allreduce(tensors)->wait();
+  forwards = all_reduce_sum(group, forwards, device());
   const auto* counts = forwards.data_ptr<int64_t>();
   int authority = 0;
   for (int r = 1; r < group.getSize(); ++r) {

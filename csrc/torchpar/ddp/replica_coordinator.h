@@ -47,6 +47,8 @@ class ReplicaCoordinator {
   // buffers of the rank that trained longest to every rank. Collective.
   void begin_join();
   void finish_join();
+  // The training loop raised: leave join mode without shadowing (the others will time out).
+  void cancel_join();
 
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
   Reducer& reducer() { return *reducer_; }
@@ -55,6 +57,7 @@ class ReplicaCoordinator {
 
  private:
   void verify_replicas_match() const;
+  at::Device device() const;
   void broadcast_state(int source_rank, bool include_parameters);
   struct JoinStatus {
     std::vector<int> active_ranks;
