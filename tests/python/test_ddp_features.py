@@ -237,12 +237,15 @@ def traced_training(rank, world, path):
     for batch in global_batches("mlp", 3, world, PER_RANK):
         inputs, targets = shard(batch, rank, world)
         loss_of(ddp(inputs), targets).backward()
-    return ddp._coordinator.timeline_path
+    second = torchpar.DistributedDataParallel(make_model("mlp"))  # must not overwrite the first's trace
+    return ddp._coordinator.timeline_path, second._coordinator.timeline_path
 
 
 def test_timeline_records_forward_backward_and_overlapping_allreduces(tmp_path):
-    paths = run_on_ranks(2, traced_training, str(tmp_path / "trace.json"))
+    results = run_on_ranks(2, traced_training, str(tmp_path / "trace.json"))
+    paths = [first for first, _ in results]
     assert paths == [str(tmp_path / "trace.rank0.json"), str(tmp_path / "trace.rank1.json")]
+    assert [second for _, second in results] == [str(tmp_path / f"trace.rank{r}.1.json") for r in range(2)]
     for path in paths:
         events = json.loads(open(path).read())
         names = [event["name"] for event in events]

@@ -4,6 +4,7 @@
 #include <c10/util/env.h>
 
 #include <algorithm>
+#include <atomic>
 #include <sstream>
 
 namespace torchpar::ddp {
@@ -13,10 +14,13 @@ int64_t micros(Timeline::Clock::time_point time) {
   return std::chrono::duration_cast<std::chrono::microseconds>(time.time_since_epoch()).count();
 }
 
+// The first DDP instance of a process writes trace.rank<r>.json, later ones trace.rank<r>.<n>.json.
 std::string rank_path(const std::string& path, int rank) {
+  static std::atomic<int> instances{0};
+  const int instance = instances++;
   const auto slash = path.find_last_of('/');
   const auto dot = path.find_last_of('.');
-  const std::string suffix = ".rank" + std::to_string(rank);
+  const std::string suffix = ".rank" + std::to_string(rank) + (instance ? "." + std::to_string(instance) : "");
   if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) {
     return path + suffix;
   }

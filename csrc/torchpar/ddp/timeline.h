@@ -17,7 +17,8 @@ class Timeline {
   using Clock = std::chrono::system_clock;  // one clock for all ranks of a host: traces line up
 
   // With TORCHPAR_TIMELINE=<path>, rank r writes <path> with ".rank<r>" inserted before its
-  // extension (trace.json -> trace.rank0.json); otherwise returns null (no tracing).
+  // extension (trace.json -> trace.rank0.json; a second DDP instance in the process: trace.rank0.1.json);
+  // otherwise returns null (no tracing).
   static std::shared_ptr<Timeline> from_environment(int rank);
 
   Timeline(const std::string& path, int rank);
