@@ -127,7 +127,8 @@ class DistributedDataParallel(nn.Module):
             list(module.named_buffers()),
             process_group,
             bucket_cap_mb=self.bucket_cap_mb,
-            first_bucket_cap_mb=DEFAULT_FIRST_BUCKET_CAP_MB,
+            # As torch: the small first bucket applies only when the caller left bucket_cap_mb unset.
+            first_bucket_cap_mb=DEFAULT_FIRST_BUCKET_CAP_MB if bucket_cap_mb is None else self.bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,

@@ -88,3 +88,27 @@ def all_models_beside_torch_ddp(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_parameters_equal_torch_ddp(backend, world):
     run_on_ranks(world, all_models_beside_torch_ddp, backend=backend)
+
+
+def bucket_layouts(rank, world, bucket_cap_mb):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    options = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), **options)
+    ours = torchpar.DistributedDataParallel(model, **options)
+    inputs, targets = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    for ddp in (theirs, ours):
+        for _ in range(3):  # the second forward rebuilds the buckets from the observed order
+            loss_of(ddp(inputs), targets).backward()
+    their_layout = [
+        [int(i) for i in bucket.split()]
+        for bucket in theirs._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"].split(",")
+    ]
+    return their_layout, ours.bucket_indices()
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [None, 25, 0.5])
+def test_bucket_layout_after_rebuild_matches_torch_ddp(bucket_cap_mb):
+    # Default: a 1 MiB first bucket; an explicit bucket_cap_mb applies to the first bucket too (as in torch).
+    theirs, ours = run_on_ranks(2, bucket_layouts, bucket_cap_mb)[0]
+    assert ours == theirs
