@@ -70,6 +70,7 @@ Reducer::Reducer(
         " is not a dense tensor");
   }
   locally_used_ = at::zeros({static_cast<int64_t>(parameters_.size())}, at::TensorOptions().dtype(at::kInt));
+  average_scale_ = at::native::wrapped_scalar_tensor(1.0 / world_size());
   ready_.assign(parameters_.size(), false);
   build_buckets(reverse_registration_order(parameters_.size()));
   install_hooks();
@@ -312,15 +313,14 @@ void Reducer::mark_ready(size_t index, bool produced_by_autograd) {
     TORCH_CHECK(
         grad.layout() == c10::kStrided, "DistributedDataParallel: parameter ", names_[index],
         " has a sparse gradient; torchpar's reducer handles dense gradients only");
-    const auto scale = at::native::wrapped_scalar_tensor(1.0 / world_size());
     if (grad.is_alias_of(view)) {
       if (average_here) {
-        view.mul_(scale);
+        view.mul_(average_scale_);
       }
     } else {
       // detach: with backward(create_graph=true) the gradient requires grad, which out= refuses.
       if (average_here) {
-        at::mul_out(view, grad.detach(), scale);
+        at::mul_out(view, grad.detach(), average_scale_);
       } else {
         view.copy_(grad.detach());
       }

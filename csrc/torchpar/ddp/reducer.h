@@ -116,6 +116,7 @@ class Reducer {
   ReducerOptions options_;
   std::shared_ptr<Timeline> timeline_;
   std::unique_ptr<c10d::CommHookInterface> comm_hook_;
+  at::Tensor average_scale_;  // 1 / world size, a wrapped scalar as torch's reducer multiplies by
 
   std::vector<Bucket> buckets_;
   std::vector<Location> locations_;
