@@ -146,7 +146,9 @@ void Reducer::install_hooks() {
     TORCH_CHECK(accumulator, "DistributedDataParallel: parameter ", names_[i], " has no gradient accumulator");
     hook_keys_.push_back(
         accumulator->add_post_hook(std::make_unique<GradientReadyHook>([this, i] { on_gradient_accumulated(i); })));
-    grad_accumulators_.push_back(std::move(accumulator));
+    // Held so the hooks stay installed; torch 2.11 hands out a shared_ptr, 2.15 an intrusive_ptr.
+    grad_accumulators_.push_back(accumulator.get());
+    grad_accumulator_owners_.emplace_back(static_cast<void*>(accumulator.get()), [owner = accumulator](void*) {});
   }
 }
 
@@ -222,7 +224,7 @@ std::vector<size_t> Reducer::unreachable_parameters(const std::vector<at::Tensor
   }
   std::vector<size_t> unreachable;
   for (const auto i : c10::irange(parameters_.size())) {
-    if (!seen.count(grad_accumulators_[i].get())) {
+    if (!seen.count(grad_accumulators_[i])) {
       unreachable.push_back(i);
     }
   }

@@ -120,7 +120,8 @@ class Reducer {
 
   std::vector<Bucket> buckets_;
   std::vector<Location> locations_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> grad_accumulators_;
+  std::vector<torch::autograd::Node*> grad_accumulators_;
+  std::vector<std::shared_ptr<void>> grad_accumulator_owners_;  // keep grad_accumulators_ alive
   std::vector<uintptr_t> hook_keys_;
   std::mutex mutex_;  // autograd hooks, the final callback and the caller's thread
 
