@@ -1,6 +1,7 @@
 #include <torchpar/ddp/reducer.h>
 
 #include <torchpar/ddp/bucket_assignment.h>
+#include <torchpar/ddp/control_collectives.h>
 #include <torchpar/ddp/timeline.h>
 
 #include <ATen/ScalarOps.h>
@@ -193,9 +194,7 @@ bool Reducer::rebuild_buckets_if_due() {
       order.data_ptr<int64_t>()[i] = static_cast<int64_t>(proposal[i]);
     }
   }
-  std::vector<at::Tensor> tensors{order.to(device())};
-  process_group_->broadcast(tensors)->wait();
-  order = tensors[0].cpu();
+  order = broadcast(*process_group_, order, device());
   std::vector<size_t> agreed(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
   build_buckets(agreed);
   return true;
@@ -417,16 +416,13 @@ std::string Reducer::wait_for_buckets() {
 }
 
 at::Tensor Reducer::all_reduce_used_map(at::Tensor used) {
-  std::vector<at::Tensor> tensors{used.to(device())};
-  auto work = process_group_->allreduce(tensors);
   try {
-    work->wait();
+    return all_reduce_sum(*process_group_, used, device()).gt(0);
   } catch (const std::exception& error) {
     TORCH_CHECK(
         false, "DistributedDataParallel (rank ", rank(), "): the all-reduce of the used-parameter map failed: ",
         error.what());
   }
-  return tensors[0].cpu().gt(0);
 }
 
 void Reducer::finalize_backward() {

@@ -1,5 +1,6 @@
 #include <torchpar/ddp/replica_coordinator.h>
 
+#include <torchpar/ddp/control_collectives.h>
 #include <torchpar/ddp/reducer.h>
 #include <torchpar/ddp/timeline.h>
 
@@ -44,21 +45,6 @@ std::vector<std::string> split_lines(const std::string& text) {
   return lines;
 }
 
-// Every rank's copy of `tensor` (all the same shape), gathered to every rank, back on the CPU.
-std::vector<at::Tensor> all_gather(c10d::ProcessGroup& group, const at::Tensor& tensor, at::Device device) {
-  std::vector<at::Tensor> input{tensor.to(device)};
-  std::vector<std::vector<at::Tensor>> output(1);
-  for (int r = 0; r < group.getSize(); ++r) {
-    output[0].push_back(at::empty_like(input[0]));
-  }
-  group.allgather(output, input)->wait();
-  std::vector<at::Tensor> gathered;
-  for (auto& copy : output[0]) {
-    gathered.push_back(copy.cpu());
-  }
-  return gathered;
-}
-
 // Every rank's text, gathered to every rank.
 std::vector<std::string> all_gather_text(c10d::ProcessGroup& group, const std::string& text, at::Device device) {
   auto length = at::empty({1}, at::kLong);
@@ -77,13 +63,6 @@ std::vector<std::string> all_gather_text(c10d::ProcessGroup& group, const std::s
     texts.emplace_back(bytes, lengths[r].item<int64_t>());
   }
   return texts;
-}
-
-// Sums `tensor` over the group; collectives run where the replica lives (NCCL groups take no CPU tensors).
-at::Tensor all_reduce_sum(c10d::ProcessGroup& group, const at::Tensor& tensor, at::Device device) {
-  std::vector<at::Tensor> tensors{tensor.to(device)};
-  group.allreduce(tensors)->wait();
-  return tensors[0].cpu();
 }
 
 } // namespace

@@ -1,0 +1,19 @@
+// The small collectives DDP runs for bookkeeping (used-parameter maps, bucket orders, join status,
+// the replica check): blocking, on the replica's device (NCCL groups take no CPU tensors), results
+// back on the CPU for reading.
+#pragma once
+#include <torchpar/comm/c10d_fwd.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace torchpar::ddp {
+
+at::Tensor all_reduce_sum(c10d::ProcessGroup& group, const at::Tensor& tensor, at::Device device);
+// Every rank's copy of `tensor` (all the same shape), in rank order.
+std::vector<at::Tensor> all_gather(c10d::ProcessGroup& group, const at::Tensor& tensor, at::Device device);
+// Rank `root`'s `tensor` on every rank.
+at::Tensor broadcast(c10d::ProcessGroup& group, const at::Tensor& tensor, at::Device device, int root = 0);
+
+} // namespace torchpar::ddp
