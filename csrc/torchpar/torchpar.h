@@ -6,3 +6,6 @@
 #include <torchpar/ddp/data_parallel.h>
 #include <torchpar/ddp/distributed_data_parallel.h>
 #include <torchpar/ddp/powersgd_hook.h>
+#include <torchpar/pipeline/partition.h>
+#include <torchpar/pipeline/pipeline.h>
+#include <torchpar/pipeline/simulator.h>

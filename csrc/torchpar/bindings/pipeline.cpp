@@ -1,0 +1,171 @@
+// torchpar._C.pipeline: schedules, simulator, partitioner and the pipeline runtime under
+// python/torchpar/pipeline.
+#include <torchpar/bindings/bindings.h>
+
+#include <torchpar/pipeline/layer_profile.h>
+#include <torchpar/pipeline/partition.h>
+#include <torchpar/pipeline/pipeline.h>
+#include <torchpar/pipeline/simulator.h>
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace torchpar::bindings {
+
+namespace py = pybind11;
+namespace pp = torchpar::pipeline;
+
+namespace {
+
+pp::ScheduleSpec make_spec(const std::string& schedule, int ranks, int microbatches, int virtual_stages) {
+  pp::ScheduleSpec spec;
+  spec.kind = pp::parse_schedule(schedule);
+  spec.ranks = ranks;
+  spec.microbatches = microbatches;
+  spec.virtual_stages = virtual_stages;
+  return spec;
+}
+
+pp::ActionCosts make_costs(double forward, double backward, double backward_input, double backward_weight) {
+  pp::ActionCosts costs;
+  costs.forward = forward;
+  costs.backward = backward;
+  costs.backward_input = backward_input;
+  costs.backward_weight = backward_weight;
+  return costs;
+}
+
+} // namespace
+
+void bind_pipeline(py::module_& module) {
+  auto pipeline = module.def_submodule("pipeline", "C++ pipeline-parallel engine");
+
+  py::enum_<pp::ActionType>(pipeline, "ActionType")
+      .value("F", pp::ActionType::Forward)
+      .value("B", pp::ActionType::Backward)
+      .value("I", pp::ActionType::BackwardInput)
+      .value("W", pp::ActionType::BackwardWeight)
+      .value("SEND_F", pp::ActionType::SendActivation)
+      .value("RECV_F", pp::ActionType::RecvActivation)
+      .value("SEND_B", pp::ActionType::SendGradient)
+      .value("RECV_B", pp::ActionType::RecvGradient);
+
+  py::class_<pp::Action>(pipeline, "Action")
+      .def(py::init([](pp::ActionType type, int stage, int microbatch) { return pp::Action{type, stage, microbatch}; }),
+           py::arg("type"), py::arg("stage"), py::arg("microbatch"))
+      .def_readonly("type", &pp::Action::type)
+      .def_readonly("stage", &pp::Action::stage)
+      .def_readonly("microbatch", &pp::Action::microbatch)
+      .def_property_readonly("is_compute", [](const pp::Action& action) { return pp::is_compute(action.type); })
+      .def("__eq__",
+           [](const pp::Action& self, const py::object& other) {
+             return py::isinstance<pp::Action>(other) && self == other.cast<pp::Action>();
+           })
+      .def("__hash__", [](const pp::Action& action) {
+        return py::hash(py::make_tuple(static_cast<int>(action.type), action.stage, action.microbatch));
+      })
+      .def("__repr__", [](const pp::Action& action) { return pp::to_string(action); });
+
+  pipeline.def(
+      "compute_actions",
+      [](const std::string& schedule, int ranks, int microbatches, int virtual_stages, int rank) {
+        return pp::compute_actions(make_spec(schedule, ranks, microbatches, virtual_stages), rank);
+      },
+      py::arg("schedule"), py::arg("ranks"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("rank"));
+  pipeline.def(
+      "rank_actions",
+      [](const std::string& schedule, int ranks, int microbatches, int virtual_stages, int rank) {
+        return pp::rank_actions(make_spec(schedule, ranks, microbatches, virtual_stages), rank);
+      },
+      py::arg("schedule"), py::arg("ranks"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("rank"));
+
+  py::class_<pp::TimedAction>(pipeline, "TimedAction")
+      .def_readonly("action", &pp::TimedAction::action)
+      .def_readonly("start", &pp::TimedAction::start)
+      .def_readonly("end", &pp::TimedAction::end);
+  py::class_<pp::Simulation>(pipeline, "Simulation")
+      .def_readonly("ranks", &pp::Simulation::ranks)
+      .def_readonly("stages", &pp::Simulation::stages)
+      .def_readonly("microbatches", &pp::Simulation::microbatches)
+      .def_readonly("timeline", &pp::Simulation::timeline)
+      .def_readonly("makespan", &pp::Simulation::makespan)
+      .def_readonly("bubble_fraction", &pp::Simulation::bubble_fraction)
+      .def_readonly("peak_activations", &pp::Simulation::peak_activations)
+      .def("grid", [](const pp::Simulation& simulation) { return pp::render_grid(simulation); });
+
+  pipeline.def(
+      "simulate",
+      [](const std::string& schedule, int ranks, int microbatches, int virtual_stages, double forward, double backward,
+         double backward_input, double backward_weight) {
+        return pp::simulate(make_spec(schedule, ranks, microbatches, virtual_stages),
+                            make_costs(forward, backward, backward_input, backward_weight));
+      },
+      py::arg("schedule"), py::arg("ranks"), py::arg("microbatches"), py::arg("virtual_stages") = 1,
+      py::arg("forward") = 1.0, py::arg("backward") = 2.0, py::arg("backward_input") = 1.0,
+      py::arg("backward_weight") = 1.0);
+  pipeline.def(
+      "simulate_actions",
+      [](const std::vector<std::vector<pp::Action>>& actions, int stages, int microbatches) {
+        return pp::simulate(actions, stages, microbatches);
+      },
+      py::arg("actions"), py::arg("stages"), py::arg("microbatches"));
+
+  pipeline.def("uniform_partition", &pp::uniform_partition, py::arg("layers"), py::arg("stages"));
+  pipeline.def("balanced_partition", &pp::balanced_partition, py::arg("costs"), py::arg("stages"));
+  pipeline.def("describe_partition", &pp::describe_partition, py::arg("balance"), py::arg("costs"), py::arg("unit"));
+
+  py::class_<pp::Layer>(pipeline, "Layer")
+      .def(py::init([](std::string name, std::function<pp::Tensors(const pp::Tensors&)> forward,
+                       pp::Tensors parameters) {
+             return pp::Layer{std::move(name), std::move(forward), std::move(parameters)};
+           }),
+           py::arg("name"), py::arg("forward"), py::arg("parameters"))
+      .def_readonly("name", &pp::Layer::name)
+      .def_readonly("parameters", &pp::Layer::parameters);
+
+  pipeline.def("measure_layer_milliseconds", &pp::measure_layer_milliseconds, py::arg("factories"), py::arg("sample"),
+               py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<pp::Pipeline>(pipeline, "Pipeline")
+      .def(py::init([](std::vector<pp::LayerFactory> factories, pp::LossFn loss,
+                       c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                       c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group, const std::string& schedule,
+                       int microbatches, int virtual_stages, std::vector<int64_t> balance,
+                       const std::string& balance_by, pp::Tensors sample_input, bool checkpoint_activations,
+                       bool loss_on_all_ranks, double bucket_cap_mb) {
+             return std::make_unique<pp::Pipeline>(std::move(factories), std::move(loss),
+                                                   pp::PipelineOptions()
+                                                       .process_group(std::move(process_group))
+                                                       .data_parallel_group(std::move(data_parallel_group))
+                                                       .schedule(schedule)
+                                                       .microbatches(microbatches)
+                                                       .virtual_stages(virtual_stages)
+                                                       .balance(std::move(balance))
+                                                       .balance_by(balance_by)
+                                                       .sample_input(std::move(sample_input))
+                                                       .checkpoint_activations(checkpoint_activations)
+                                                       .loss_on_all_ranks(loss_on_all_ranks)
+                                                       .bucket_cap_mb(bucket_cap_mb));
+           }),
+           py::arg("factories"), py::arg("loss"), py::arg("process_group"), py::arg("data_parallel_group"),
+           py::arg("schedule"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("balance"),
+           py::arg("balance_by"), py::arg("sample_input"), py::arg("checkpoint_activations"),
+           py::arg("loss_on_all_ranks"), py::arg("bucket_cap_mb"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "step",
+          [](pp::Pipeline& self, const pp::Tensors& inputs, const std::optional<at::Tensor>& target) {
+            auto loss = self.step(inputs, target.value_or(at::Tensor()));
+            return loss.defined() ? std::optional<at::Tensor>(loss) : std::nullopt;
+          },
+          py::arg("inputs"), py::arg("target"), py::call_guard<py::gil_scoped_release>())
+      .def("forward", &pp::Pipeline::forward, py::arg("inputs"), py::call_guard<py::gil_scoped_release>())
+      .def("parameters", &pp::Pipeline::parameters)
+      .def("stages", &pp::Pipeline::stages)
+      .def("has_last_stage", &pp::Pipeline::has_last_stage)
+      .def_property_readonly("balance", &pp::Pipeline::balance)
+      .def_property_readonly("partition_report", &pp::Pipeline::partition_report)
+      .def_property_readonly("actions", &pp::Pipeline::actions);
+}
+
+} // namespace torchpar::bindings

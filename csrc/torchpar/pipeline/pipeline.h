@@ -1,0 +1,76 @@
+// Pipeline parallelism for LibTorch: a model cut into stages on different ranks, trained on
+// micro-batches driven by a schedule (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1).
+//
+//   std::vector<torchpar::pipeline::LayerFactory> layers = ...;   // each rank builds only its own
+//   torchpar::pipeline::Pipeline pipe(layers, loss_fn,
+//       torchpar::pipeline::PipelineOptions().process_group(group).schedule("1f1b").microbatches(8));
+//   torch::optim::SGD optimizer(pipe.parameters(), 0.1);
+//   optimizer.zero_grad();
+//   auto loss = pipe.step(inputs, targets);   // forward + backward of the whole batch
+//   optimizer.step();
+#pragma once
+#include <torchpar/pipeline/layer.h>
+#include <torchpar/pipeline/options.h>
+#include <torchpar/pipeline/schedules.h>
+#include <torchpar/pipeline/stage.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torchpar::pipeline {
+
+class StageLinks;
+class ReplicaGradients;
+
+class Pipeline {
+ public:
+  // Builds the layers of this rank's stages only (`factories` has one entry per layer of the model).
+  Pipeline(std::vector<LayerFactory> factories, LossFn loss, PipelineOptions options);
+  // All layers already built (small models, tests); this rank keeps only its own.
+  Pipeline(const std::vector<Layer>& layers, LossFn loss, PipelineOptions options);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  // One training step on a batch: split into micro-batches along dimension 0, run the schedule,
+  // accumulate every stage's gradients (averaged over the batch, as a mean loss over it would give),
+  // average them over the data-parallel replicas. Returns the batch's mean loss (on every rank, or
+  // only on the last stage's rank — undefined elsewhere — see loss_on_all_ranks). `inputs` matter
+  // on the first stage's rank, `target` on the last's; other ranks may pass undefined tensors.
+  at::Tensor step(const Tensors& inputs, const at::Tensor& target);
+  at::Tensor step(const at::Tensor& input, const at::Tensor& target) { return step(Tensors{input}, target); }
+
+  // Forward only, without gradients (evaluation); the last stage's outputs on its rank, empty elsewhere.
+  Tensors forward(const Tensors& inputs);
+
+  // This rank's parameters (what its optimizer steps on).
+  Tensors parameters() const;
+  // The global indices of this rank's stages.
+  std::vector<int> stages() const;
+  bool has_last_stage() const;
+  const std::vector<int64_t>& balance() const { return balance_; }
+  // The partition and its predicted stage costs, one line per stage.
+  const std::string& partition_report() const { return partition_report_; }
+  const ScheduleSpec& schedule() const { return spec_; }
+  // This rank's action list (what step() executes).
+  const std::vector<Action>& actions() const { return actions_; }
+
+ private:
+  void build(std::vector<LayerFactory> factories, LossFn loss);
+  void plan_partition(const std::vector<LayerFactory>& factories);
+  PipelineStage& local_stage(int stage);
+  int stage_rank(int stage) const { return rank_of_stage(stage, spec_.ranks); }
+
+  PipelineOptions options_;
+  ScheduleSpec spec_;
+  int rank_ = 0;
+  std::vector<int64_t> balance_;
+  std::string partition_report_;
+  std::vector<Action> actions_;
+  std::vector<std::unique_ptr<PipelineStage>> stages_;  // this rank's, in increasing stage order
+  std::unique_ptr<StageLinks> links_;
+  std::unique_ptr<ReplicaGradients> replica_gradients_;
+};
+
+} // namespace torchpar::pipeline

@@ -1,0 +1,105 @@
+#include <torchpar/pipeline/replica_gradients.h>
+
+#include <torchpar/ddp/bucket_assignment.h>
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <algorithm>
+#include <iterator>
+
+namespace torchpar::pipeline {
+namespace {
+
+at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> views;
+  for (const auto& tensor : tensors) {
+    views.push_back(tensor.reshape({-1}));
+  }
+  return at::cat(views);
+}
+
+void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& targets) {
+  int64_t offset = 0;
+  for (const auto& target : targets) {
+    target.copy_(flat.narrow(0, offset, target.numel()).view_as(target));
+    offset += target.numel();
+  }
+}
+
+} // namespace
+
+ReplicaGradients::ReplicaGradients(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                   std::vector<std::vector<at::Tensor>> stage_parameters, double bucket_cap_mb)
+    : group_(std::move(group)) {
+  const auto cap = static_cast<size_t>(bucket_cap_mb * 1024 * 1024);
+  for (auto& parameters : stage_parameters) {
+    if (!parameters.empty()) {
+      c10::NoGradGuard no_grad;
+      std::vector<at::Tensor> flat{flatten(parameters)};
+      group_->broadcast(flat)->wait();
+      unflatten_into(flat[0], parameters);
+    }
+    std::vector<at::Tensor> trained;
+    std::copy_if(parameters.begin(), parameters.end(), std::back_inserter(trained),
+                 [](const at::Tensor& parameter) { return parameter.requires_grad(); });
+    std::vector<ddp::BucketableParameter> sizes;
+    for (const auto& parameter : trained) {
+      sizes.push_back({static_cast<size_t>(parameter.numel() * parameter.element_size()), parameter.scalar_type()});
+    }
+    std::vector<Bucket> buckets;
+    for (const auto& members : ddp::assign_buckets(sizes, ddp::reverse_registration_order(trained.size()), cap, cap)) {
+      Bucket bucket;
+      for (auto index : members) {
+        bucket.parameters.push_back(trained[index]);
+      }
+      buckets.push_back(std::move(bucket));
+    }
+    buckets_.push_back(std::move(buckets));
+  }
+}
+
+void ReplicaGradients::launch(size_t local_stage) {
+  TORCH_INTERNAL_ASSERT(local_stage < buckets_.size());
+  for (auto& bucket : buckets_[local_stage]) {
+    std::vector<at::Tensor> gradients;
+    for (auto& parameter : bucket.parameters) {
+      if (!parameter.grad().defined()) {
+        parameter.mutable_grad() = at::zeros_like(parameter);
+      }
+      gradients.push_back(parameter.grad());
+    }
+    std::vector<at::Tensor> flat{flatten(gradients)};
+    bucket.flat = flat[0];
+    bucket.work = group_->allreduce(flat);
+  }
+  launched_.push_back(local_stage);
+}
+
+void ReplicaGradients::finish() {
+  const double replicas = group_->getSize();
+  for (auto local_stage : launched_) {
+    for (auto& bucket : buckets_[local_stage]) {
+      try {
+        bucket.work->wait();
+      } catch (const std::exception& error) {
+        TORCH_CHECK(false, "pipeline (data-parallel rank ", group_->getRank(),
+                    "): averaging stage gradients over the replicas failed: ", error.what());
+      }
+      bucket.flat.div_(replicas);
+      std::vector<at::Tensor> gradients;
+      for (auto& parameter : bucket.parameters) {
+        gradients.push_back(parameter.grad());
+      }
+      unflatten_into(bucket.flat, gradients);
+      bucket.flat = at::Tensor();
+      bucket.work.reset();
+    }
+  }
+  launched_.clear();
+}
+
+} // namespace torchpar::pipeline

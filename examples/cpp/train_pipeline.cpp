@@ -1,0 +1,170 @@
+// Trains a deep MLP on the 8x8 digits with torchpar's pipeline: the model's layers cut into one
+// stage per rank, every batch split into micro-batches that flow through the stages.
+//
+//   ./scripts/setup.sh                  # also writes data/digits.pt
+//   torchrun --nproc-per-node=2 --no-python build/examples/cpp/train_pipeline [--data data/digits.pt]
+//            [--epochs 30] [--lr 0.05] [--batch-size 64] [--microbatches 4] [--schedule 1f1b]
+//
+// Each rank builds only its own stage's layers. Rank 0 shows per-epoch progress; the last stage's
+// rank prints the held-out accuracy; every rank exits with status 1 if it is below 95%.
+#include <unistd.h>
+
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <iterator>
+#include <string>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/randperm.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+#include <torchpar/torchpar.h>
+
+namespace {
+
+struct Arguments {
+  std::string data = "data/digits.pt";
+  int epochs = 30;
+  double lr = 0.05;
+  int64_t batch_size = 64;
+  int microbatches = 4;
+  std::string schedule = "1f1b";
+};
+
+Arguments parse(int argc, char** argv) {
+  Arguments arguments;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) {
+      throw std::invalid_argument("missing value after " + flag);
+    }
+    const std::string value = argv[++i];
+    if (flag == "--data") {
+      arguments.data = value;
+    } else if (flag == "--epochs") {
+      arguments.epochs = std::stoi(value);
+    } else if (flag == "--lr") {
+      arguments.lr = std::stod(value);
+    } else if (flag == "--batch-size") {
+      arguments.batch_size = std::stol(value);
+    } else if (flag == "--microbatches") {
+      arguments.microbatches = std::stoi(value);
+    } else if (flag == "--schedule") {
+      arguments.schedule = value;
+    } else {
+      throw std::invalid_argument("unknown option " + flag +
+                                  " (--data, --epochs, --lr, --batch-size, --microbatches, --schedule)");
+    }
+  }
+  return arguments;
+}
+
+// data/digits.pt is a dict of tensors written by Python's torch.save (scripts/export_digits.py).
+c10::Dict<c10::IValue, c10::IValue> load_digits(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) {
+    throw std::invalid_argument("cannot read " + path + " (scripts/setup.sh writes it; or run scripts/export_digits.py)");
+  }
+  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  return torch::jit::pickle_load(bytes).toGenericDict();
+}
+
+// Layer i of a 10-layer MLP; each factory seeds itself, so a layer's initial weights do not depend
+// on which rank builds it.
+std::vector<torchpar::pipeline::LayerFactory> mlp_layers() {
+  const std::vector<std::pair<int64_t, int64_t>> linear{{64, 128}, {128, 128}, {128, 128}, {128, 128}, {128, 10}};
+  std::vector<torchpar::pipeline::LayerFactory> factories;
+  for (size_t i = 0; i < linear.size(); ++i) {
+    factories.push_back([i, shape = linear[i]] {
+      torch::manual_seed(static_cast<uint64_t>(i));
+      return torchpar::pipeline::layer_from_module(
+          "linear" + std::to_string(i), torch::nn::AnyModule(torch::nn::Linear(shape.first, shape.second)));
+    });
+    if (i + 1 < linear.size()) {
+      factories.push_back([i] {
+        return torchpar::pipeline::layer_from_module("relu" + std::to_string(i), torch::nn::AnyModule(torch::nn::ReLU()));
+      });
+    }
+  }
+  return factories;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  Arguments arguments;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  try {
+    arguments = parse(argc, argv);
+    group = torchpar::init_process_group();
+  } catch (const torchpar::LaunchError& error) {
+    std::cerr << "train_pipeline: " << error.what() << std::endl;
+    return 2;
+  } catch (const std::invalid_argument& error) {
+    std::cerr << "train_pipeline: " << error.what() << std::endl;
+    return 2;
+  }
+  const int rank = group->getRank();
+  const int world = group->getSize();
+  const auto digits = load_digits(arguments.data);
+  const auto train_x = digits.at("train_x").toTensor(), train_y = digits.at("train_y").toTensor();
+  const auto test_x = digits.at("test_x").toTensor(), test_y = digits.at("test_y").toTensor();
+
+  torchpar::pipeline::Pipeline pipe(
+      mlp_layers(), [](const torchpar::pipeline::Tensors& outputs, const at::Tensor& target) {
+        return at::cross_entropy_loss(outputs[0], target);
+      },
+      torchpar::pipeline::PipelineOptions()
+          .process_group(group)
+          .schedule(arguments.schedule)
+          .microbatches(arguments.microbatches));
+  if (rank == 0) {
+    std::cerr << "partition:\n" << pipe.partition_report();
+  }
+  torch::optim::SGD optimizer(pipe.parameters(), torch::optim::SGDOptions(arguments.lr).momentum(0.9));
+
+  const int64_t batches = train_x.size(0) / arguments.batch_size;  // whole batches only: equal micro-batches
+  for (int epoch = 0; epoch < arguments.epochs; ++epoch) {
+    // Every rank draws the same order: the first stage reads the inputs, the last the targets.
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(epoch));
+    const auto order = at::randperm(train_x.size(0), generator);
+    double loss_sum = 0;
+    for (int64_t batch = 0; batch < batches; ++batch) {
+      const auto index = order.narrow(0, batch * arguments.batch_size, arguments.batch_size);
+      optimizer.zero_grad();
+      loss_sum += pipe.step(train_x.index_select(0, index), train_y.index_select(0, index)).item<double>();
+      optimizer.step();
+    }
+    if (rank == 0) {
+      // A terminal gets one line redrawn in place; a log file, a line per epoch.
+      std::cerr << (::isatty(2) ? "\r" : "") << "epoch " << std::setw(3) << epoch + 1 << "/" << arguments.epochs
+                << "  loss " << std::fixed << std::setprecision(4) << loss_sum / batches << (::isatty(2) ? "" : "\n")
+                << std::flush;
+    }
+  }
+  if (rank == 0 && ::isatty(2)) {
+    std::cerr << std::endl;
+  }
+  const auto outputs = pipe.forward({test_x});
+  std::vector<at::Tensor> accuracy{at::zeros({1}, at::kDouble)};
+  if (pipe.has_last_stage()) {
+    accuracy[0].fill_(outputs[0].argmax(1).eq(test_y).to(at::kDouble).mean());
+  }
+  const int last_rank = torchpar::pipeline::rank_of_stage(pipe.schedule().stages() - 1, world);
+  group->broadcast(accuracy, {last_rank, 0})->wait();
+  const double value = accuracy[0].item<double>();
+  if (pipe.has_last_stage()) {
+    std::cout << "train_pipeline: " << world << " ranks, " << pipe.schedule().stages() << " stages, schedule "
+              << arguments.schedule << ", " << arguments.microbatches << " micro-batches, " << arguments.epochs
+              << " epochs, test accuracy " << std::fixed << std::setprecision(1) << 100 * value << "%" << std::endl;
+  }
+  return value >= 0.95 ? 0 : 1;
+}

@@ -1,0 +1,207 @@
+"""Pipeline parallelism: a model cut into stages on different ranks, trained on micro-batches.
+
+    layers = [nn.Linear(64, 256), nn.ReLU(), ..., nn.Linear(256, 10)]     # or an nn.Sequential,
+    pipe = torchpar.pipeline.Pipeline(layers, nn.functional.cross_entropy,  # or factories building
+                                      schedule="1f1b", microbatches=8)     # only what a rank needs
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    optimizer.zero_grad()
+    loss = pipe.step(x, y)             # forward + backward of the batch through every stage
+    optimizer.step()
+
+The schedules (``gpipe``, ``1f1b``, ``interleaved``, ``zero_bubble``), the simulator and the
+partitioner are the C++ engine's; see them before running with ``python -m torchpar.pipeline.show``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchpar._C import pipeline as _engine
+
+logger = logging.getLogger("torchpar.pipeline")
+
+__all__ = [
+    "Pipeline",
+    "SCHEDULES",
+    "balanced_partition",
+    "hybrid_groups",
+    "simulate",
+    "uniform_partition",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+simulate = _engine.simulate
+balanced_partition = _engine.balanced_partition
+uniform_partition = _engine.uniform_partition
+
+LayerSpec = Union[nn.Module, Callable[[], nn.Module]]
+
+
+def _as_tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(item, torch.Tensor) for item in value):
+        return list(value)
+    raise TypeError(f"a pipeline layer must return a tensor or a tuple of tensors, got {type(value).__name__}")
+
+
+def _layer(name: str, module: nn.Module) -> _engine.Layer:
+    return _engine.Layer(name, lambda tensors: _as_tensors(module(*tensors)), list(module.parameters()))
+
+
+class Pipeline:
+    """One pipeline over ``process_group`` (default: the whole world); virtual stage k on rank k % size.
+
+    Args:
+        layers: an ``nn.Sequential``, or a sequence whose items are modules or zero-argument
+            callables building one (factories: each rank builds only its own stages' layers).
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage, for one micro-batch; the
+            mean over micro-batches is what ``step`` returns and differentiates.
+        microbatches: micro-batches per step; the batch size must be divisible by it.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zero_bubble"``.
+        virtual_stages: stages per rank (``"interleaved"`` only).
+        balance: layers per stage (a list), or how to choose them: ``"uniform"`` (layer count),
+            ``"parameters"``, or ``"time"`` (each layer's forward+backward measured on
+            ``sample_input``, one micro-batch, then the partition minimising the slowest stage).
+        data_parallel_group: pipeline x data parallelism: the ranks holding the same stages in the
+            other replicas; their gradients are averaged at the end of each step (see ``hybrid_groups``).
+        checkpoint: recompute each stage's forward in backward instead of keeping its activations.
+        loss_on: ``"all"`` (every rank gets the loss) or ``"last"`` (only the last stage's rank;
+            ``None`` elsewhere, no broadcast).
+    """
+
+    def __init__(
+        self,
+        layers: nn.Sequential | Sequence[LayerSpec],
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        microbatches: int,
+        schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        balance: Sequence[int] | str | None = None,
+        sample_input: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        data_parallel_group: dist.ProcessGroup | None = None,
+        checkpoint: bool = False,
+        loss_on: str = "all",
+        bucket_cap_mb: float = 25.0,
+    ):
+        if loss_on not in ("all", "last"):
+            raise ValueError(f"loss_on must be 'all' or 'last', got {loss_on!r}")
+        specs = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
+        names = list(dict(layers.named_children())) if isinstance(layers, nn.Sequential) else [
+            str(i) for i in range(len(specs))
+        ]
+        self._built: dict[int, nn.Module] = {}
+
+        def factory(index: int) -> Callable[[], _engine.Layer]:
+            def build() -> _engine.Layer:
+                spec = specs[index]
+                module = spec if isinstance(spec, nn.Module) else spec()
+                if not isinstance(module, nn.Module):
+                    raise TypeError(f"pipeline layer {index}: the factory returned {type(module).__name__}, not an nn.Module")
+                self._built[index] = module
+                return _layer(names[index], module)
+
+            return build
+
+        explicit = [int(n) for n in balance] if balance is not None and not isinstance(balance, str) else []
+        balance_by = balance if isinstance(balance, str) else "uniform"
+        samples = [] if sample_input is None else _as_tensors(sample_input)
+        group = process_group if process_group is not None else dist.group.WORLD
+        self._engine = _engine.Pipeline(
+            [factory(i) for i in range(len(specs))],
+            lambda outputs, target: loss_fn(outputs[0] if len(outputs) == 1 else tuple(outputs), target),
+            group,
+            data_parallel_group,
+            schedule,
+            microbatches,
+            virtual_stages,
+            explicit,
+            balance_by,
+            samples,
+            checkpoint,
+            loss_on == "all",
+            bucket_cap_mb,
+        )
+        boundaries = [0]
+        for count in self._engine.balance:
+            boundaries.append(boundaries[-1] + count)
+        own = {i for stage in self._engine.stages() for i in range(boundaries[stage], boundaries[stage + 1])}
+        # Balancing may have built (and dropped) other stages' layers; keep this rank's only.
+        self._built = {i: m for i, m in sorted(self._built.items()) if i in own}
+        self.stage_modules = nn.ModuleDict(
+            {
+                str(stage): nn.Sequential(*[self._built[i] for i in range(boundaries[stage], boundaries[stage + 1])])
+                for stage in self._engine.stages()
+            }
+        )
+        if group.rank() == 0:
+            logger.info("pipeline partition (%s, %d micro-batches):\n%s", schedule, microbatches,
+                        self._engine.partition_report.rstrip())
+
+    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None, target: torch.Tensor | None = None):
+        """Forward and backward of one batch; gradients accumulate into this rank's parameters."""
+        tensors = [] if inputs is None else _as_tensors(inputs)
+        loss = self._engine.step(tensors, target)
+        return loss
+
+    def forward(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None):
+        """Forward only, without gradients: the last stage's output on its rank, None elsewhere."""
+        outputs = self._engine.forward([] if inputs is None else _as_tensors(inputs))
+        if not outputs:
+            return None
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """This rank's parameters: what its optimizer steps on."""
+        return self._engine.parameters()
+
+    @property
+    def stages(self) -> list[int]:
+        return self._engine.stages()
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self._engine.has_last_stage()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return 0 in self._engine.stages()
+
+    @property
+    def balance(self) -> list[int]:
+        return self._engine.balance
+
+    @property
+    def partition_report(self) -> str:
+        return self._engine.partition_report
+
+    @property
+    def actions(self):
+        """This rank's schedule: the action list ``step`` executes."""
+        return self._engine.actions
+
+
+def hybrid_groups(stages: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Pipeline x data parallel over the world: ranks d*stages .. d*stages+stages-1 form replica d's
+    pipeline; ranks holding the same stage form its data-parallel group. Returns this rank's
+    (pipeline group, data-parallel group); every rank must call it (it creates process groups)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % stages:
+        raise ValueError(f"hybrid_groups: world size {world} is not a multiple of {stages} pipeline stages")
+    replicas = world // stages
+    pipeline_group = data_parallel_group = None
+    for replica in range(replicas):
+        group = dist.new_group([replica * stages + s for s in range(stages)])
+        if rank // stages == replica:
+            pipeline_group = group
+    for stage in range(stages):
+        group = dist.new_group([replica * stages + stage for replica in range(replicas)])
+        if rank % stages == stage:
+            data_parallel_group = group
+    return pipeline_group, data_parallel_group

@@ -1,0 +1,169 @@
+"""Pipeline features beyond the schedules: tuples and variable shapes between stages, pipeline x
+data parallelism, recomputation with dropout, balancing by measured time, where the loss appears."""
+import copy
+import time
+
+import torch
+from torch import nn
+
+from pipeline_reference import assert_matches_reference, batch, deep_mlp, reference_gradients
+from rank_harness import run_on_ranks
+
+import torchpar.pipeline
+
+WIDTH, CLASSES = 8, 3
+
+
+class TokenMix(nn.Module):
+    """(hidden [B, T, D], lengths [B] int64) -> the same, mixed per token: an integer tensor rides along."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, hidden, lengths):
+        return torch.tanh(self.linear(hidden)), lengths
+
+
+class MaskedMean(nn.Module):
+    def forward(self, hidden, lengths):
+        mask = (torch.arange(hidden.shape[1])[None, :] < lengths[:, None]).to(hidden.dtype)
+        return (hidden * mask[..., None]).sum(1) / lengths[:, None].to(hidden.dtype)
+
+
+def sequence_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [TokenMix(), TokenMix(), TokenMix(), MaskedMean(), nn.Linear(WIDTH, CLASSES)]
+
+
+def sequence_reference(layers, hidden, lengths, target):
+    layers = copy.deepcopy(layers)
+    value = (hidden, lengths)
+    for layer in layers:
+        value = layer(*value) if isinstance(value, tuple) else layer(value)
+    loss = nn.functional.cross_entropy(value, target)
+    loss.backward()
+    grads = {f"{i}.{name}": p.grad for i, layer in enumerate(layers) for name, p in layer.named_parameters()}
+    return loss.detach(), grads
+
+
+def train_variable_lengths(rank, world, schedule):
+    layers = sequence_layers()
+    pipe = torchpar.pipeline.Pipeline(copy.deepcopy(layers), nn.functional.cross_entropy, schedule=schedule,
+                                      microbatches=2)
+    reference_model = nn.Sequential(*layers)  # only for parameter names
+    seen = []
+    for step, tokens in enumerate([5, 9, 3, 9]):
+        generator = torch.Generator().manual_seed(step)
+        hidden = torch.randn(8, tokens, WIDTH, generator=generator)
+        lengths = torch.randint(1, tokens + 1, (8,), generator=generator)
+        target = torch.randint(0, CLASSES, (8,), generator=generator)
+        expected_loss, expected_grads = sequence_reference(layers, hidden, lengths, target)
+        for parameter in pipe.parameters():
+            parameter.grad = None
+        loss = pipe.step((hidden, lengths) if pipe.is_first_stage else None, target if pipe.is_last_stage else None)
+        assert_matches_reference(pipe, reference_model, loss, expected_loss, expected_grads)
+        seen.append(tokens)
+    return seen
+
+
+def test_sequence_length_changes_between_steps_and_integer_tensors_ride_along():
+    for schedule in ("1f1b", "zero_bubble"):
+        assert run_on_ranks(2, train_variable_lengths, schedule)[0] == [5, 9, 3, 9]
+
+
+def train_hybrid(rank, world):
+    model = deep_mlp()
+    pipeline_group, data_parallel_group = torchpar.pipeline.hybrid_groups(stages=2)
+    replica = rank // 2
+    local = copy.deepcopy(model)
+    if replica == 1:  # replicas start apart; the pipeline must begin from replica 0's weights
+        with torch.no_grad():
+            for parameter in local.parameters():
+                parameter.add_(1.0)
+    pipe = torchpar.pipeline.Pipeline(local, nn.functional.cross_entropy, schedule="1f1b", microbatches=2,
+                                      process_group=pipeline_group, data_parallel_group=data_parallel_group)
+    inputs, target = batch(16)
+    expected_loss, expected_grads = reference_gradients(model, inputs, target)
+    half_loss, _ = reference_gradients(model, inputs[replica * 8:(replica + 1) * 8], target[replica * 8:(replica + 1) * 8])
+    share = slice(replica * 8, (replica + 1) * 8)
+    loss = pipe.step(inputs[share], target[share])
+    # Each replica's loss is its own half's; the gradients are the whole batch's once averaged.
+    assert_matches_reference(pipe, model, loss, half_loss, expected_grads)
+    return pipe.stages
+
+
+def test_two_replicas_of_two_stages_equal_single_process_training():
+    assert run_on_ranks(4, train_hybrid, deadline_s=120) == [[0], [1], [0], [1]]
+
+
+class NoisyMlp(nn.Sequential):
+    def __init__(self):
+        torch.manual_seed(0)
+        super().__init__(nn.Linear(12, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.3),
+                         nn.Tanh(), nn.Linear(16, 5))
+
+
+def gradients_with_dropout(rank, world, checkpoint):
+    pipe = torchpar.pipeline.Pipeline(NoisyMlp(), nn.functional.cross_entropy, schedule="1f1b", microbatches=4,
+                                      checkpoint=checkpoint)
+    inputs, target = batch(16)
+    torch.manual_seed(100 + rank)
+    pipe.step(inputs, target)
+    return [p.grad.clone() for p in pipe.parameters()]
+
+
+def test_recomputation_replays_dropout_exactly():
+    plain = run_on_ranks(2, gradients_with_dropout, False)
+    recomputed = run_on_ranks(2, gradients_with_dropout, True)
+    for rank in range(2):
+        assert len(plain[rank]) == len(recomputed[rank]) > 0
+        for a, b in zip(plain[rank], recomputed[rank]):
+            assert torch.equal(a, b)
+
+
+class Slow(nn.Module):
+    def forward(self, x):
+        time.sleep(0.01)
+        return x
+
+
+def balance_by_time(rank, world):
+    torch.manual_seed(0)
+    layers = [nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), Slow(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 5)]
+    pipe = torchpar.pipeline.Pipeline(layers, nn.functional.cross_entropy, microbatches=3, balance="time",
+                                      sample_input=torch.randn(4, 12))
+    return pipe.balance, pipe.partition_report
+
+
+def test_balance_by_measured_time_puts_the_slow_layer_alone():
+    # Whatever the cheap layers measure, adding any of them to the 10 ms layer's stage makes the
+    # slowest stage slower: alone is the only optimum.
+    balance, report = run_on_ranks(3, balance_by_time)[2]
+    assert balance == [3, 1, 3], report
+    assert "stage 1: layers 3-3 (1 layer), predicted" in report and " ms" in report
+
+
+def loss_only_on_last(rank, world):
+    pipe = torchpar.pipeline.Pipeline(deep_mlp(), nn.functional.cross_entropy, microbatches=2, loss_on="last")
+    inputs, target = batch(8)
+    return pipe.step(inputs, target)
+
+
+def test_loss_on_last_returns_none_elsewhere():
+    losses = run_on_ranks(2, loss_only_on_last)
+    assert losses[0] is None and losses[1] is not None and losses[1].dim() == 0
+
+
+def equivalence_on_shm(rank, world):
+    model = deep_mlp()
+    inputs, target = batch(12)
+    expected_loss, expected_grads = reference_gradients(model, inputs, target)
+    pipe = torchpar.pipeline.Pipeline(copy.deepcopy(model), nn.functional.cross_entropy, microbatches=3)
+    loss = pipe.step(inputs, target)
+    return assert_matches_reference(pipe, model, loss, expected_loss, expected_grads)
+
+
+def test_pipeline_runs_on_the_shared_memory_backend():
+    names = run_on_ranks(2, equivalence_on_shm, backend="shm")
+    assert set(names[0]) | set(names[1]) == {name for name, _ in deep_mlp().named_parameters()}
