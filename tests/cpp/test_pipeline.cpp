@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "catch_with_torch.h"
+#include <ATen/ops/arange.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
@@ -12,6 +13,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
+#include <torchpar/comm/process_group.h>
 #include <torchpar/pipeline/partition.h>
 #include <torchpar/pipeline/pipeline.h>
 #include <torchpar/pipeline/simulator.h>
@@ -128,5 +130,60 @@ TEST_CASE("C++ pipeline: a batch that does not split into the micro-batches is r
                       pp::PipelineOptions().process_group(pg).microbatches(3));
     CHECK_THROWS_WITH(pipe.step(at::randn({10, 6}), at::randint(0, 3, {10})),
                       Contains("a batch of 10 samples") && Contains("does not split into 3 equal micro-batches"));
+  });
+}
+
+TEST_CASE("C++ pipeline x data parallel: 2 replicas of 2 stages equal single-process training") {
+  run_on_ranks(4, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> world) {
+    // Replica r is ranks 2r, 2r+1; stage s of both replicas is ranks s, s+2.
+    c10::intrusive_ptr<c10d::ProcessGroup> pipeline_group, data_parallel_group;
+    for (int replica = 0; replica < 2; ++replica) {
+      if (auto group = torchpar::new_group(world, {2 * replica, 2 * replica + 1})) {
+        pipeline_group = group;
+      }
+    }
+    for (int stage = 0; stage < 2; ++stage) {
+      if (auto group = torchpar::new_group(world, {stage, stage + 2})) {
+        data_parallel_group = group;
+      }
+    }
+    REQUIRE(pipeline_group);
+    REQUIRE(data_parallel_group);
+    CHECK(pipeline_group->getRank() == rank % 2);
+    CHECK(data_parallel_group->getRank() == rank / 2);
+
+    auto reference = make_mlp();
+    torch::manual_seed(1);
+    const auto inputs = at::randn({16, 6});
+    const auto target = at::randint(0, 3, {16});
+    reference->zero_grad();
+    at::cross_entropy_loss(reference->forward(inputs), target).backward();
+
+    auto model = make_mlp();
+    if (rank >= 2) {  // replica 1 starts elsewhere; the pipeline starts every replica from replica 0
+      torch::NoGradGuard no_grad;
+      for (auto& parameter : model->parameters()) {
+        parameter.add_(1.0);
+      }
+    }
+    pp::Pipeline pipe(pp::layers_from_sequential(*model), cross_entropy,
+                      pp::PipelineOptions()
+                          .process_group(pipeline_group)
+                          .data_parallel_group(data_parallel_group)
+                          .microbatches(2));
+    const auto share = at::arange(8) + 8 * (rank / 2);
+    pipe.step(inputs.index_select(0, share), target.index_select(0, share));
+    const auto boundaries = pp::stage_boundaries(pipe.balance());
+    std::vector<at::Tensor> expected;
+    for (int64_t layer = boundaries[rank % 2]; layer < boundaries[rank % 2 + 1]; ++layer) {
+      for (const auto& parameter : (*reference)[layer]->parameters()) {
+        expected.push_back(parameter.grad());
+      }
+    }
+    const auto own = pipe.parameters();
+    REQUIRE(own.size() == expected.size());
+    for (size_t i = 0; i < own.size(); ++i) {
+      CHECK((own[i].grad() - expected[i]).abs().max().item<double>() < 1e-5);
+    }
   });
 }

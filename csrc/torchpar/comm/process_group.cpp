@@ -1,5 +1,6 @@
 #include <torchpar/comm/process_group.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 
@@ -28,6 +29,27 @@ c10d::ProcessGroup::BackendType backend_type(const std::string& name) {
 std::string next_group_name() {
   static std::atomic<int> created{0};
   return "torchpar_pg" + std::to_string(created++);
+}
+
+// A process group named `group` on `group_store` with one backend per name in `choices`, shared by
+// the devices it serves ("gloo" serves CPU and CUDA), as c10d does.
+c10::intrusive_ptr<c10d::ProcessGroup> assemble(const std::string& group,
+                                                const c10::intrusive_ptr<c10d::Store>& group_store,
+                                                const std::vector<BackendChoice>& choices, int rank, int world_size,
+                                                int local_rank, std::chrono::milliseconds timeout) {
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(group_store, rank, world_size);
+  std::map<std::string, c10::intrusive_ptr<c10d::Backend>> backends;
+  for (const auto& choice : choices) {
+    auto& backend = backends[choice.name];
+    if (!backend) {
+      backend = make_backend(choice.name, c10::make_intrusive<c10d::PrefixStore>(choice.name + "/", group_store), rank,
+                             world_size, local_rank, timeout);
+    }
+    pg->setBackend(choice.device, backend_type(choice.name), backend);
+  }
+  pg->setDefaultBackend(backend_type(choices.front().name));
+  pg->setGroupName(group);
+  return pg;
 }
 
 } // namespace
@@ -67,25 +89,42 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
   auto group_store = c10::make_intrusive<c10d::PrefixStore>(group + "/", store);
   wait_for_all_ranks(*group_store, config.rank, config.world_size, timeout);
 
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(group_store, config.rank, config.world_size);
-  // One backend per name, shared by the devices it serves ("gloo" serves CPU and CUDA), as c10d does.
-  std::map<std::string, c10::intrusive_ptr<c10d::Backend>> backends;
-  for (const auto& choice : choices) {
-    auto& backend = backends[choice.name];
-    if (!backend) {
-      backend = make_backend(
-          choice.name, c10::make_intrusive<c10d::PrefixStore>(choice.name + "/", group_store),
-          config.rank, config.world_size, config.local_rank, timeout);
-    }
-    pg->setBackend(choice.device, backend_type(choice.name), backend);
-  }
-  pg->setDefaultBackend(backend_type(choices.front().name));
-  pg->setGroupName(group);
+  auto pg = assemble(group, group_store, choices, config.rank, config.world_size, config.local_rank, timeout);
   if (config.rank == 0) {
     LOG(INFO) << "torchpar: process group " << group << " ready: backend " << spec << ", "
               << config.world_size << " ranks, restart " << config.restart_count;
   }
   return pg;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> new_group(const c10::intrusive_ptr<c10d::ProcessGroup>& parent,
+                                                 const std::vector<int>& ranks, const InitOptions& options) {
+  TORCH_CHECK(parent, "torchpar.new_group: no parent process group");
+  const std::string group = next_group_name();
+  std::vector<int> seen(parent->getSize(), 0);
+  for (int rank : ranks) {
+    TORCH_CHECK(rank >= 0 && rank < parent->getSize() && !seen[rank]++, "torchpar.new_group: rank ", rank,
+                " is outside the parent group of ", parent->getSize(), " ranks or listed twice");
+  }
+  const auto position = std::find(ranks.begin(), ranks.end(), parent->getRank());
+  if (position == ranks.end()) {
+    return {};
+  }
+  const auto env = process_environment();
+  const auto timeout = resolve_timeout(options);
+  const std::string spec =
+      !options.backend().empty() ? options.backend() : env("TORCHPAR_BACKEND").value_or("gloo");
+  const auto choices = parse_backend_spec(spec);
+  const int rank = static_cast<int>(position - ranks.begin());
+  const int size = static_cast<int>(ranks.size());
+  int local_rank = 0;
+  if (auto text = env("LOCAL_RANK")) {
+    local_rank = std::stoi(*text);
+  }
+  check_backends_usable(choices, rank, local_rank);
+  auto group_store = c10::make_intrusive<c10d::PrefixStore>(group + "/", parent->getStore());
+  wait_for_all_ranks(*group_store, rank, size, timeout);
+  return assemble(group, group_store, choices, rank, size, local_rank, timeout);
 }
 
 } // namespace torchpar::comm

@@ -1,4 +1,5 @@
 #pragma once
+#include <vector>
 #include <chrono>
 #include <optional>
 #include <string>
@@ -36,10 +37,18 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& options);
 // returned group (c10d::ProcessGroup's API: allreduce, broadcast, send/recv ...).
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options = {});
 
+// A process group over `ranks` (ranks of `parent`, which become 0..n-1 in the new group), as
+// torch.distributed.new_group: every rank of `parent` calls it with the same list, in the same order
+// as its other new_group calls; ranks outside the list get a null pointer. `options` gives the
+// backend and timeout (as for init_process_group); its rank, world size and store are not used.
+c10::intrusive_ptr<c10d::ProcessGroup> new_group(const c10::intrusive_ptr<c10d::ProcessGroup>& parent,
+                                                 const std::vector<int>& ranks, const InitOptions& options = {});
+
 } // namespace torchpar::comm
 
 namespace torchpar {
 using comm::InitOptions;
 using comm::init_process_group;
+using comm::new_group;
 using comm::LaunchError;
 } // namespace torchpar

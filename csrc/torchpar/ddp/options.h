@@ -9,7 +9,7 @@
 namespace torchpar::ddp {
 
 struct DistributedDataParallelOptions {
-  // The group gradients are averaged over; null = the one torchpar::init_process_group made last.
+  // The group gradients are averaged over (required).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
   // Gradient bytes per all-reduce (torch's default 25 MiB).
   TORCH_ARG(double, bucket_cap_mb) = 25.0;

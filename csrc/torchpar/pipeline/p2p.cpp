@@ -95,11 +95,13 @@ void StageLinks::send_activations(const Tensors& tensors, int stage, int microba
   if (device_.is_cuda()) {
     header[0] = header[0].to(device_);
   }
-  sends_.emplace_back(header, group_->send(header, destination, tag_of(stage, microbatch, 0)));
+  const std::string what = "sending stage " + std::to_string(stage) + "'s input for micro-batch " +
+                           std::to_string(microbatch) + " to rank " + std::to_string(destination);
+  sends_.push_back({header, group_->send(header, destination, tag_of(stage, microbatch, 0)), what});
 
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::vector<at::Tensor> data{tensors[i].contiguous()};
-    sends_.emplace_back(data, group_->send(data, destination, tag_of(stage, microbatch, activation_channel(i))));
+    sends_.push_back({data, group_->send(data, destination, tag_of(stage, microbatch, activation_channel(i))), what});
   }
 }
 
@@ -109,12 +111,20 @@ PendingActivations StageLinks::post_activations(int stage, int microbatch, int s
   pending.microbatch_ = microbatch;
   pending.source_ = source;
   pending.header_ = at::empty({kHeaderSlots}, at::TensorOptions().dtype(at::kLong).device(device_));
-  std::vector<at::Tensor> buffer{pending.header_};
-  pending.header_work_ = group_->recv(buffer, source, tag_of(stage, microbatch, 0));
+  // NCCL ignores tags and pairs messages in posting order, so there the header's receive waits
+  // until the data before it in that order has been received (see wait).
+  if (!device_.is_cuda()) {
+    std::vector<at::Tensor> buffer{pending.header_};
+    pending.header_work_ = group_->recv(buffer, source, tag_of(stage, microbatch, 0));
+  }
   return pending;
 }
 
 Tensors StageLinks::wait(PendingActivations& pending) {
+  if (!pending.header_work_) {
+    std::vector<at::Tensor> buffer{pending.header_};
+    pending.header_work_ = group_->recv(buffer, pending.source_, tag_of(pending.stage_, pending.microbatch_, 0));
+  }
   wait_or_explain(*pending.header_work_, "receiving the activation header from", pending.stage_, pending.microbatch_,
                   pending.source_);
   const auto metas = decode_header(pending.header_.cpu(), pending.stage_, pending.microbatch_);
@@ -142,7 +152,9 @@ void StageLinks::send_gradients(const Tensors& gradients, const std::vector<Tens
         gradients[i].defined()
             ? gradients[i].contiguous()
             : at::zeros(metas[i].sizes, at::TensorOptions().dtype(metas[i].dtype).device(device_))};
-    sends_.emplace_back(data, group_->send(data, destination, tag_of(stage, microbatch, gradient_channel(i))));
+    sends_.push_back({data, group_->send(data, destination, tag_of(stage, microbatch, gradient_channel(i))),
+                      "sending the gradient of stage " + std::to_string(stage) + "'s output for micro-batch " +
+                          std::to_string(microbatch) + " to rank " + std::to_string(destination)});
   }
 }
 
@@ -173,11 +185,13 @@ Tensors StageLinks::wait(PendingGradients& pending) {
 }
 
 void StageLinks::wait_sends() {
-  for (auto& [tensors, work] : sends_) {
+  for (auto& send : sends_) {
     try {
-      work->wait();
+      send.work->wait();
     } catch (const std::exception& error) {
-      TORCH_CHECK(false, "pipeline: a send to a peer stage failed: ", error.what());
+      const std::string what = send.what + " failed: " + error.what();
+      sends_.clear();
+      TORCH_CHECK(false, "pipeline: ", what);
     }
   }
   sends_.clear();

@@ -72,7 +72,12 @@ class StageLinks {
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   c10::Device device_;
-  std::vector<std::pair<Tensors, c10::intrusive_ptr<c10d::Work>>> sends_;
+  struct Send {
+    Tensors tensors;  // kept alive until sent
+    c10::intrusive_ptr<c10d::Work> work;
+    std::string what;
+  };
+  std::vector<Send> sends_;
 };
 
 } // namespace torchpar::pipeline
