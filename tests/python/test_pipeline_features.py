@@ -144,6 +144,23 @@ def test_balance_by_measured_time_puts_the_slow_layer_alone():
     assert "stage 1: layers 3-3 (1 layer), predicted" in report and " ms" in report
 
 
+def balance_replicas_by_time(rank, world):
+    pipeline_group, data_parallel_group = torchpar.pipeline.hybrid_groups(stages=2)
+    torch.manual_seed(0)
+    layers = [nn.Linear(12, 12) for _ in range(5)]
+    pipe = torchpar.pipeline.Pipeline(layers, nn.functional.mse_loss, microbatches=2, balance="time",
+                                      sample_input=torch.randn(4, 12), process_group=pipeline_group,
+                                      data_parallel_group=data_parallel_group)
+    return pipe.balance
+
+
+def test_replicas_adopt_replica_zeros_measured_partition():
+    # Five equal layers measure slightly differently on each replica's first rank; a replica cutting
+    # the model its own way would break the gradient averaging.
+    balances = run_on_ranks(4, balance_replicas_by_time)
+    assert all(balance == balances[0] for balance in balances), balances
+
+
 def loss_only_on_last(rank, world):
     pipe = torchpar.pipeline.Pipeline(deep_mlp(), nn.functional.cross_entropy, microbatches=2, loss_on="last")
     inputs, target = batch(8)

@@ -2,7 +2,6 @@
 // python/torchpar/pipeline.
 #include <torchpar/bindings/bindings.h>
 
-#include <torchpar/pipeline/layer_profile.h>
 #include <torchpar/pipeline/partition.h>
 #include <torchpar/pipeline/pipeline.h>
 #include <torchpar/pipeline/simulator.h>
@@ -123,9 +122,6 @@ void bind_pipeline(py::module_& module) {
            py::arg("name"), py::arg("forward"), py::arg("parameters"))
       .def_readonly("name", &pp::Layer::name)
       .def_readonly("parameters", &pp::Layer::parameters);
-
-  pipeline.def("measure_layer_milliseconds", &pp::measure_layer_milliseconds, py::arg("factories"), py::arg("sample"),
-               py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>());
 
   py::class_<pp::Pipeline>(pipeline, "Pipeline")
       .def(py::init([](std::vector<pp::LayerFactory> factories, pp::LossFn loss,

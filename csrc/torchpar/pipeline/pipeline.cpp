@@ -31,8 +31,9 @@ auto take(Map& map, const StageMicrobatch& key, const char* what) {
   return value;
 }
 
-// Rank 0 computes `costs` (its profile decides for all ranks, so every rank cuts the model the same way).
-std::vector<double> from_rank_zero(c10d::ProcessGroup& group, size_t count,
+// Pipeline rank 0 computes the costs and every rank adopts them, replicas included (they are
+// passed on from replica 0), so every rank cuts the model the same way even when measured times differ.
+std::vector<double> from_rank_zero(c10d::ProcessGroup& group, c10d::ProcessGroup* replicas, size_t count,
                                    const std::function<std::vector<double>()>& compute) {
   auto values = at::zeros({static_cast<int64_t>(count)}, at::kDouble);
   if (group.getRank() == 0) {
@@ -41,6 +42,9 @@ std::vector<double> from_rank_zero(c10d::ProcessGroup& group, size_t count,
   }
   std::vector<at::Tensor> buffer{values};
   group.broadcast(buffer)->wait();
+  if (replicas) {
+    replicas->broadcast(buffer)->wait();
+  }
   return {values.data_ptr<double>(), values.data_ptr<double>() + count};
 }
 
@@ -85,6 +89,7 @@ void Pipeline::plan_partition(const std::vector<LayerFactory>& factories) {
   const auto layers = static_cast<int64_t>(factories.size());
   const int64_t stages = spec_.stages();
   auto& group = *options_.process_group();
+  auto* replicas = options_.data_parallel_group() ? options_.data_parallel_group().get() : nullptr;
   std::vector<double> costs(layers, 1.0);
   std::string unit = "layers";
   if (!options_.balance().empty()) {
@@ -93,13 +98,13 @@ void Pipeline::plan_partition(const std::vector<LayerFactory>& factories) {
   } else if (options_.balance_by() == "uniform") {
     balance_ = uniform_partition(layers, stages);
   } else if (options_.balance_by() == "parameters") {
-    costs = from_rank_zero(group, layers, [&] { return count_layer_parameters(factories); });
+    costs = from_rank_zero(group, replicas, layers, [&] { return count_layer_parameters(factories); });
     unit = "parameters";
     balance_ = balanced_partition(costs, stages);
   } else if (options_.balance_by() == "time") {
     TORCH_CHECK(group.getRank() != 0 || !options_.sample_input().empty(),
                 "pipeline balance_by=\"time\" needs sample_input (one micro-batch of inputs) on rank 0");
-    costs = from_rank_zero(group, layers, [&] { return measure_layer_milliseconds(factories, options_.sample_input()); });
+    costs = from_rank_zero(group, replicas, layers, [&] { return measure_layer_milliseconds(factories, options_.sample_input()); });
     unit = "ms";
     balance_ = balanced_partition(costs, stages);
   } else {

@@ -44,7 +44,6 @@ class PipelineStage {
   Tensors parameters() const;
   // "stage 1 (layers 3-5)"
   std::string describe() const;
-  size_t microbatches_in_flight() const { return in_flight_.size(); }
   // After a failed step: forget the micro-batches whose backward will never run.
   void discard_in_flight() { in_flight_.clear(); }
 
