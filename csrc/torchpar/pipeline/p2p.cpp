@@ -14,17 +14,18 @@ constexpr int64_t kHeaderVersion = 1;
 constexpr int64_t kHeaderSlots = 64;
 constexpr int kMaxTensors = 15;
 constexpr int kMaxMicrobatches = 4096;
-constexpr int kTagsPerMicrobatch = 2 * kMaxTensors + 2;
+constexpr int kChannels = 3 * kMaxTensors + 1;
 
-// Channel 0: header; 1..15: activation tensors; 16..30: gradient tensors.
+// Channel 0: header; then per tensor: guessed-shape data, data after a shape change, gradient.
 int tag_of(int stage, int microbatch, int channel) {
   TORCH_CHECK(microbatch < kMaxMicrobatches, "pipeline: at most ", kMaxMicrobatches, " micro-batches per step");
-  return (stage * kMaxMicrobatches + microbatch) * kTagsPerMicrobatch + channel;
+  return (stage * kMaxMicrobatches + microbatch) * kChannels + channel;
 }
-int activation_channel(size_t index) { return 1 + static_cast<int>(index); }
-int gradient_channel(size_t index) { return 1 + kMaxTensors + static_cast<int>(index); }
+int guessed_channel(size_t index) { return 1 + static_cast<int>(index); }
+int changed_channel(size_t index) { return 1 + kMaxTensors + static_cast<int>(index); }
+int gradient_channel(size_t index) { return 1 + 2 * kMaxTensors + static_cast<int>(index); }
 
-at::Tensor encode_header(const std::vector<TensorMeta>& metas, int stage, int microbatch) {
+at::Tensor encode_header(const TensorMetas& metas, int stage, int microbatch) {
   std::vector<int64_t> fields{kHeaderVersion, static_cast<int64_t>(metas.size())};
   for (const auto& meta : metas) {
     fields.push_back(static_cast<int64_t>(meta.dtype));
@@ -39,11 +40,11 @@ at::Tensor encode_header(const std::vector<TensorMeta>& metas, int stage, int mi
   return header;
 }
 
-std::vector<TensorMeta> decode_header(const at::Tensor& header, int stage, int microbatch) {
+TensorMetas decode_header(const at::Tensor& header, int stage, int microbatch) {
   const int64_t* fields = header.data_ptr<int64_t>();
   TORCH_CHECK(fields[0] == kHeaderVersion, "pipeline stage ", stage, ", micro-batch ", microbatch,
               ": activation header of unknown version ", fields[0]);
-  std::vector<TensorMeta> metas(fields[1]);
+  TensorMetas metas(fields[1]);
   int64_t at = 2;
   for (auto& meta : metas) {
     meta.dtype = static_cast<c10::ScalarType>(fields[at++]);
@@ -65,15 +66,15 @@ void wait_or_explain(c10d::Work& work, const char* what, int stage, int microbat
 
 } // namespace
 
-std::vector<TensorMeta> metas_of(const Tensors& tensors) {
-  std::vector<TensorMeta> metas;
+TensorMetas metas_of(const Tensors& tensors) {
+  TensorMetas metas;
   for (const auto& tensor : tensors) {
     metas.push_back({tensor.scalar_type(), tensor.sizes().vec()});
   }
   return metas;
 }
 
-std::string describe(const std::vector<TensorMeta>& metas) {
+std::string describe(const TensorMetas& metas) {
   std::ostringstream text;
   for (size_t i = 0; i < metas.size(); ++i) {
     text << (i ? ", " : "") << "[";
@@ -88,62 +89,109 @@ std::string describe(const std::vector<TensorMeta>& metas) {
 bool carries_gradient(const TensorMeta& meta) { return c10::isFloatingType(meta.dtype) || c10::isComplexType(meta.dtype); }
 
 StageLinks::StageLinks(c10::intrusive_ptr<c10d::ProcessGroup> group, const c10::Device& device)
-    : group_(std::move(group)), device_(device) {}
+    : group_(std::move(group)), device_(device), guess_shapes_(!device.is_cuda()) {}
 
-void StageLinks::send_activations(const Tensors& tensors, int stage, int microbatch, int destination) {
-  std::vector<at::Tensor> header{encode_header(metas_of(tensors), stage, microbatch)};
-  if (device_.is_cuda()) {
-    header[0] = header[0].to(device_);
-  }
-  const std::string what = "sending stage " + std::to_string(stage) + "'s input for micro-batch " +
-                           std::to_string(microbatch) + " to rank " + std::to_string(destination);
-  sends_.push_back({header, group_->send(header, destination, tag_of(stage, microbatch, 0)), what});
-
+void StageLinks::send(const Tensors& tensors, int destination, int stage, int microbatch, int (*channel)(size_t),
+                      const std::string& what) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::vector<at::Tensor> data{tensors[i].contiguous()};
-    sends_.push_back({data, group_->send(data, destination, tag_of(stage, microbatch, activation_channel(i))), what});
+    sends_.push_back({data, group_->send(data, destination, tag_of(stage, microbatch, channel(i))), what});
   }
 }
 
-PendingActivations StageLinks::post_activations(int stage, int microbatch, int source) {
-  PendingActivations pending;
-  pending.stage_ = stage;
-  pending.microbatch_ = microbatch;
-  pending.source_ = source;
-  pending.header_ = at::empty({kHeaderSlots}, at::TensorOptions().dtype(at::kLong).device(device_));
-  // NCCL ignores tags and pairs messages in posting order, so there the header's receive waits
-  // until the data before it in that order has been received (see wait).
-  if (!device_.is_cuda()) {
-    std::vector<at::Tensor> buffer{pending.header_};
-    pending.header_work_ = group_->recv(buffer, source, tag_of(stage, microbatch, 0));
+void StageLinks::send_activations(const Tensors& tensors, int stage, int microbatch, int destination) {
+  const auto metas = metas_of(tensors);
+  const std::string what = "sending stage " + std::to_string(stage) + "'s input for micro-batch " +
+                           std::to_string(microbatch) + " to rank " + std::to_string(destination);
+  std::vector<at::Tensor> header{encode_header(metas, stage, microbatch).to(device_)};
+  sends_.push_back({header, group_->send(header, destination, tag_of(stage, microbatch, 0)), what});
+  auto last = last_sent_.find(stage);
+  const bool guessed = guess_shapes_ && last != last_sent_.end();
+  if (guessed && last->second == metas) {
+    send(tensors, destination, stage, microbatch, guessed_channel, what);
+  } else {
+    if (guessed) {  // the receiver posted receives of the old shapes: fill them with placeholders
+      Tensors placeholders;
+      for (const auto& meta : last->second) {
+        placeholders.push_back(at::empty(meta.sizes, at::TensorOptions().dtype(meta.dtype).device(device_)));
+      }
+      send(placeholders, destination, stage, microbatch, guessed_channel, what);
+    }
+    send(tensors, destination, stage, microbatch, changed_channel, what);
   }
-  return pending;
+  last_sent_[stage] = metas;
 }
 
-Tensors StageLinks::wait(PendingActivations& pending) {
-  if (!pending.header_work_) {
-    std::vector<at::Tensor> buffer{pending.header_};
-    pending.header_work_ = group_->recv(buffer, pending.source_, tag_of(pending.stage_, pending.microbatch_, 0));
-  }
-  wait_or_explain(*pending.header_work_, "receiving the activation header from", pending.stage_, pending.microbatch_,
-                  pending.source_);
-  const auto metas = decode_header(pending.header_.cpu(), pending.stage_, pending.microbatch_);
+Tensors StageLinks::receive(const TensorMetas& metas, int source, int stage, int microbatch, int (*channel)(size_t),
+                            std::vector<c10::intrusive_ptr<c10d::Work>>* posted) {
   Tensors data;
-  std::vector<c10::intrusive_ptr<c10d::Work>> work;
   for (size_t i = 0; i < metas.size(); ++i) {
     std::vector<at::Tensor> buffer{at::empty(metas[i].sizes, at::TensorOptions().dtype(metas[i].dtype).device(device_))};
     data.push_back(buffer[0]);
-    work.push_back(group_->recv(buffer, pending.source_, tag_of(pending.stage_, pending.microbatch_, activation_channel(i))));
-  }
-  for (auto& receive : work) {
-    wait_or_explain(*receive, "receiving activations from", pending.stage_, pending.microbatch_, pending.source_);
+    posted->push_back(group_->recv(buffer, source, tag_of(stage, microbatch, channel(i))));
   }
   return data;
 }
 
-void StageLinks::send_gradients(const Tensors& gradients, const std::vector<TensorMeta>& metas, int stage,
-                                int microbatch, int destination) {
+void StageLinks::read_header(int stage, int microbatch, Incoming& incoming) {
+  if (incoming.metas) {
+    return;
+  }
+  if (!incoming.header_work) {
+    std::vector<at::Tensor> buffer{incoming.header};
+    incoming.header_work = group_->recv(buffer, incoming.source, tag_of(stage, microbatch, 0));
+  }
+  wait_or_explain(*incoming.header_work, "receiving the activation header from", stage, microbatch, incoming.source);
+  incoming.metas = decode_header(incoming.header.cpu(), stage, microbatch);
+  last_received_[stage] = *incoming.metas;
+}
+
+void StageLinks::post_activations(int stage, int microbatch, int source) {
+  auto previous = incoming_.find({stage, microbatch - 1});
+  if (previous != incoming_.end()) {
+    read_header(stage, microbatch - 1, previous->second);
+  }
+  Incoming incoming;
+  incoming.source = source;
+  incoming.header = at::empty({kHeaderSlots}, at::TensorOptions().dtype(at::kLong).device(device_));
+  if (guess_shapes_) {
+    std::vector<at::Tensor> buffer{incoming.header};
+    incoming.header_work = group_->recv(buffer, source, tag_of(stage, microbatch, 0));
+    auto last = last_received_.find(stage);
+    if (last != last_received_.end()) {
+      incoming.guess = last->second;
+      incoming.guessed_data = receive(last->second, source, stage, microbatch, guessed_channel, &incoming.guessed_work);
+    }
+  }
+  incoming_[{stage, microbatch}] = std::move(incoming);
+}
+
+Tensors StageLinks::receive_activations(int stage, int microbatch) {
+  auto found = incoming_.find({stage, microbatch});
+  TORCH_INTERNAL_ASSERT(found != incoming_.end(), "pipeline: no receive posted for stage ", stage, ", micro-batch ",
+                        microbatch);
+  Incoming incoming = std::move(found->second);
+  incoming_.erase(found);
+  read_header(stage, microbatch, incoming);
+  for (auto& work : incoming.guessed_work) {
+    wait_or_explain(*work, "receiving activations from", stage, microbatch, incoming.source);
+  }
+  if (incoming.guess && *incoming.guess == *incoming.metas) {
+    return incoming.guessed_data;
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> work;
+  auto data = receive(*incoming.metas, incoming.source, stage, microbatch, changed_channel, &work);
+  for (auto& receive : work) {
+    wait_or_explain(*receive, "receiving activations from", stage, microbatch, incoming.source);
+  }
+  return data;
+}
+
+void StageLinks::send_gradients(const Tensors& gradients, const TensorMetas& metas, int stage, int microbatch,
+                                int destination) {
   TORCH_INTERNAL_ASSERT(gradients.size() == metas.size());
+  const std::string what = "sending the gradient of stage " + std::to_string(stage) + "'s output for micro-batch " +
+                           std::to_string(microbatch) + " to rank " + std::to_string(destination);
   for (size_t i = 0; i < metas.size(); ++i) {
     if (!carries_gradient(metas[i])) {
       continue;
@@ -152,14 +200,11 @@ void StageLinks::send_gradients(const Tensors& gradients, const std::vector<Tens
         gradients[i].defined()
             ? gradients[i].contiguous()
             : at::zeros(metas[i].sizes, at::TensorOptions().dtype(metas[i].dtype).device(device_))};
-    sends_.push_back({data, group_->send(data, destination, tag_of(stage, microbatch, gradient_channel(i))),
-                      "sending the gradient of stage " + std::to_string(stage) + "'s output for micro-batch " +
-                          std::to_string(microbatch) + " to rank " + std::to_string(destination)});
+    sends_.push_back({data, group_->send(data, destination, tag_of(stage, microbatch, gradient_channel(i))), what});
   }
 }
 
-PendingGradients StageLinks::post_gradients(const std::vector<TensorMeta>& metas, int stage, int microbatch,
-                                            int source) {
+PendingGradients StageLinks::post_gradients(const TensorMetas& metas, int stage, int microbatch, int source) {
   PendingGradients pending;
   for (size_t i = 0; i < metas.size(); ++i) {
     if (!carries_gradient(metas[i])) {
@@ -195,6 +240,14 @@ void StageLinks::wait_sends() {
     }
   }
   sends_.clear();
+}
+
+void StageLinks::discard_pending() {
+  incoming_.clear();
+  sends_.clear();
+  // Which transfers of the failed step completed is unknown: the next step starts without guesses.
+  last_sent_.clear();
+  last_received_.clear();
 }
 
 } // namespace torchpar::pipeline

@@ -201,11 +201,10 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
     target_microbatches = split_microbatches(target, m, "target", 0);
   }
 
-  std::map<StageMicrobatch, PendingActivations> arriving_activations;
   std::map<StageMicrobatch, PendingGradients> arriving_gradients;
   std::map<StageMicrobatch, Tensors> outputs;           // forward results not yet consumed
   std::map<StageMicrobatch, Tensors> input_gradients;   // backward results not yet consumed
-  std::map<StageMicrobatch, std::vector<TensorMeta>> sent, received;
+  std::map<StageMicrobatch, TensorMetas> sent, received;
   std::map<int, int> weight_passes;
   at::Tensor loss_sum;
 
@@ -221,15 +220,14 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
       const StageMicrobatch key{s, mb};
       switch (action.type) {
         case ActionType::RecvActivation:
-          arriving_activations.emplace(key, links_->post_activations(s, mb, stage_rank(s - 1)));
+          links_->post_activations(s, mb, stage_rank(s - 1));
           break;
         case ActionType::Forward: {
           Tensors in;
           if (s == 0) {
             in = input_microbatches[mb];
           } else if (stage_rank(s - 1) != rank_) {
-            auto pending = take(arriving_activations, key, "posted receive");
-            in = links_->wait(pending);
+            in = links_->receive_activations(s, mb);
             received[key] = metas_of(in);
           } else {
             in = take(outputs, {s - 1, mb}, "local activation");
@@ -293,6 +291,7 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
     for (auto& stage : stages_) {
       stage->discard_in_flight();
     }
+    links_->discard_pending();
     throw;
   }
 
@@ -330,8 +329,8 @@ Tensors Pipeline::forward(const Tensors& inputs) {
       if (s == 0) {
         in = input_microbatches[mb];
       } else if (stage_rank(s - 1) != rank_) {
-        auto pending = links_->post_activations(s, mb, stage_rank(s - 1));
-        in = links_->wait(pending);
+        links_->post_activations(s, mb, stage_rank(s - 1));
+        in = links_->receive_activations(s, mb);
       } else {
         in = take(local_outputs, {s - 1, mb}, "local activation");
       }

@@ -153,8 +153,8 @@ class Simulator {
         return done(ActionType::Forward, s, mb);
       case ActionType::SendGradient:
         return input_gradient(s, mb);
-      case ActionType::RecvActivation:
-        return 0.0;
+      case ActionType::RecvActivation:  // guesses its shapes from the previous micro-batch's header
+        return mb == 0 ? std::optional<double>(0.0) : done(ActionType::SendActivation, s - 1, mb - 1);
       case ActionType::RecvGradient:  // sized by the activation it belongs to, so posted after sending it
         return done(ActionType::SendActivation, s, mb);
     }
@@ -170,6 +170,8 @@ class Simulator {
         return "its forward or stage " + std::to_string(s + 1) + "'s gradient of micro-batch " + std::to_string(mb);
       case ActionType::BackwardWeight: return "its input-gradient pass I" + std::to_string(mb);
       case ActionType::RecvGradient: return "the send of its activation SEND_F" + std::to_string(mb);
+      case ActionType::RecvActivation:
+        return "stage " + std::to_string(s - 1) + "'s send of micro-batch " + std::to_string(mb - 1);
       default: return "the compute action that produces it";
     }
   }
