@@ -191,3 +191,21 @@ def equivalence_on_shm(rank, world):
 def test_pipeline_runs_on_the_shared_memory_backend():
     names = run_on_ranks(2, equivalence_on_shm, backend="shm")
     assert set(names[0]) | set(names[1]) == {name for name, _ in deep_mlp().named_parameters()}
+
+
+def recorded_timeline(rank, world):
+    pipe = torchpar.pipeline.Pipeline(deep_mlp(), nn.functional.cross_entropy, schedule="zero_bubble", microbatches=3)
+    inputs, target = batch(12)
+    pipe.step(inputs, target)
+    return [(str(t.action.type).rsplit(".", 1)[-1], t.action.microbatch, t.start, t.end) for t in pipe.last_step_timeline], \
+        pipe.last_step_milliseconds, [repr(a) for a in pipe.actions if a.is_compute]
+
+
+def test_the_last_step_timeline_records_each_compute_action_in_order():
+    for timeline, milliseconds, planned in run_on_ranks(2, recorded_timeline):
+        assert [f"{kind}{mb}" for kind, mb, _, _ in timeline] == [action.split("@")[0] for action in planned]
+        assert len(timeline) == 9  # F, I and W for each of 3 micro-batches
+        ends = 0.0
+        for _, _, start, end in timeline:
+            assert ends <= start <= end <= milliseconds
+            ends = end

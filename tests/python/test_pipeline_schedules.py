@@ -348,3 +348,18 @@ def test_show_reports_the_engines_refusal_as_a_usage_error(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "micro-batches (6) must be a multiple of the pipeline ranks (4)" in capsys.readouterr().err
     assert not (tmp_path / "never.png").exists()
+
+
+def test_per_stage_costs_and_transfers():
+    equal = engine.simulate_stages("1f1b", 3, 6, 1, [{"forward": 1.0, "backward": 2.0}] * 3)
+    assert equal.makespan == engine.simulate("1f1b", 3, 6).makespan
+    # GPipe, 2 stages, stage 1 twice as slow: its forwards run back to back after stage 0's first
+    # (1 + 6*2), then its backwards (6*4), then stage 0's last backward (2).
+    slow = engine.simulate_stages("gpipe", 2, 6, 1, [{"forward": 1, "backward": 2}, {"forward": 2, "backward": 4}])
+    assert slow.makespan == pytest.approx(1 + 6 * 2 + 6 * 4 + 2)
+    # Each of the 2(p-1) transfers on the critical path of one micro-batch adds its delay.
+    assert engine.simulate("gpipe", 2, 1, transfer=0.5).makespan == pytest.approx(3 * 2 + 2 * 0.5)
+    with pytest.raises(RuntimeError, match="2 stage costs for 3 stages"):
+        engine.simulate_stages("1f1b", 3, 4, 1, [{}, {}])
+    with pytest.raises(RuntimeError, match="unknown cost 'forwards'"):
+        engine.simulate_stages("1f1b", 2, 4, 1, [{"forwards": 1.0}, {}])

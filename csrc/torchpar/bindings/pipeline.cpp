@@ -26,8 +26,10 @@ pp::ScheduleSpec make_spec(const std::string& schedule, int ranks, int microbatc
   return spec;
 }
 
-pp::ActionCosts make_costs(double forward, double backward, double backward_input, double backward_weight) {
+pp::ActionCosts make_costs(double forward, double backward, double backward_input, double backward_weight,
+                           double transfer) {
   pp::ActionCosts costs;
+  costs.transfer = transfer;
   costs.forward = forward;
   costs.backward = backward;
   costs.backward_input = backward_input;
@@ -96,13 +98,35 @@ void bind_pipeline(py::module_& module) {
   pipeline.def(
       "simulate",
       [](const std::string& schedule, int ranks, int microbatches, int virtual_stages, double forward, double backward,
-         double backward_input, double backward_weight) {
+         double backward_input, double backward_weight, double transfer) {
         return pp::simulate(make_spec(schedule, ranks, microbatches, virtual_stages),
-                            make_costs(forward, backward, backward_input, backward_weight));
+                            make_costs(forward, backward, backward_input, backward_weight, transfer));
       },
       py::arg("schedule"), py::arg("ranks"), py::arg("microbatches"), py::arg("virtual_stages") = 1,
       py::arg("forward") = 1.0, py::arg("backward") = 2.0, py::arg("backward_input") = 1.0,
-      py::arg("backward_weight") = 1.0);
+      py::arg("backward_weight") = 1.0, py::arg("transfer") = 0.0);
+  pipeline.def(
+      "simulate_stages",
+      [](const std::string& schedule, int ranks, int microbatches, int virtual_stages,
+         const std::vector<std::map<std::string, double>>& stage_costs) {
+        std::vector<pp::ActionCosts> costs;
+        for (const auto& entry : stage_costs) {
+          pp::ActionCosts cost;
+          for (const auto& [name, value] : entry) {
+            if (name == "forward") cost.forward = value;
+            else if (name == "backward") cost.backward = value;
+            else if (name == "backward_input") cost.backward_input = value;
+            else if (name == "backward_weight") cost.backward_weight = value;
+            else if (name == "transfer") cost.transfer = value;
+            else TORCH_CHECK(false, "simulate_stages: unknown cost '", name,
+                             "' (forward, backward, backward_input, backward_weight, transfer)");
+          }
+          costs.push_back(cost);
+        }
+        return pp::simulate(make_spec(schedule, ranks, microbatches, virtual_stages), costs);
+      },
+      py::arg("schedule"), py::arg("ranks"), py::arg("microbatches"), py::arg("virtual_stages"),
+      py::arg("stage_costs"));
   pipeline.def(
       "simulate_actions",
       [](const std::vector<std::vector<pp::Action>>& actions, int stages, int microbatches) {
@@ -161,7 +185,9 @@ void bind_pipeline(py::module_& module) {
       .def("has_last_stage", &pp::Pipeline::has_last_stage)
       .def_property_readonly("balance", &pp::Pipeline::balance)
       .def_property_readonly("partition_report", &pp::Pipeline::partition_report)
-      .def_property_readonly("actions", &pp::Pipeline::actions);
+      .def_property_readonly("actions", &pp::Pipeline::actions)
+      .def_property_readonly("last_step_timeline", &pp::Pipeline::last_step_timeline)
+      .def_property_readonly("last_step_milliseconds", &pp::Pipeline::last_step_milliseconds);
 }
 
 } // namespace torchpar::bindings

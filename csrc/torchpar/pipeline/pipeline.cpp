@@ -13,6 +13,7 @@
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <map>
 #include <utility>
 
@@ -184,6 +185,11 @@ std::vector<int> Pipeline::stages() const {
 bool Pipeline::has_last_stage() const { return stages_.back()->is_last(); }
 
 at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
+  const auto step_start = std::chrono::steady_clock::now();
+  auto since_step_start = [&] {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start).count();
+  };
+  timeline_.clear();
   const int m = spec_.microbatches;
   const int last = spec_.stages() - 1;
   std::vector<Tensors> input_microbatches(m);
@@ -232,8 +238,10 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
           } else {
             in = take(outputs, {s - 1, mb}, "local activation");
           }
+          const double started = since_step_start();
           auto out = local_stage(s).forward(mb, stage_inputs(in, s == 0), s == last ? target_microbatches[mb] : at::Tensor(),
                                             1.0 / m);
+          timeline_.push_back({action, started, since_step_start()});
           if (s == last) {
             loss_sum = loss_sum.defined() ? loss_sum + out[0] : out[0];
           } else {
@@ -263,8 +271,10 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
             }
           }
           auto& stage = local_stage(s);
+          const double started = since_step_start();
           auto result = action.type == ActionType::Backward ? stage.backward(mb, gradients)
                                                             : stage.backward_input(mb, gradients);
+          timeline_.push_back({action, started, since_step_start()});
           if (s > 0) {
             input_gradients[key] = std::move(result);
           }
@@ -273,10 +283,13 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
           }
           break;
         }
-        case ActionType::BackwardWeight:
+        case ActionType::BackwardWeight: {
+          const double started = since_step_start();
           local_stage(s).backward_weight(mb);
+          timeline_.push_back({action, started, since_step_start()});
           weights_done(s);
           break;
+        }
         case ActionType::SendGradient:
           links_->send_gradients(take(input_gradients, key, "input gradient to send"),
                                  take(received, key, "received activation"), s - 1, mb, stage_rank(s - 1));
@@ -287,6 +300,7 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
     if (replica_gradients_) {
       replica_gradients_->finish();
     }
+    step_milliseconds_ = since_step_start();
   } catch (...) {
     for (auto& stage : stages_) {
       stage->discard_in_flight();

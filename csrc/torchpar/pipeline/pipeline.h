@@ -12,6 +12,7 @@
 #include <torchpar/pipeline/layer.h>
 #include <torchpar/pipeline/options.h>
 #include <torchpar/pipeline/schedules.h>
+#include <torchpar/pipeline/simulator.h>
 #include <torchpar/pipeline/stage.h>
 
 #include <memory>
@@ -55,6 +56,11 @@ class Pipeline {
   const ScheduleSpec& schedule() const { return spec_; }
   // This rank's action list (what step() executes).
   const std::vector<Action>& actions() const { return actions_; }
+  // The last step as it ran on this rank: each compute action's start and end in milliseconds
+  // since the step began (waiting for data excluded), and the step's duration up to its last send
+  // (the loss broadcast excluded) — the measured counterpart of the simulator's timeline.
+  const std::vector<TimedAction>& last_step_timeline() const { return timeline_; }
+  double last_step_milliseconds() const { return step_milliseconds_; }
 
  private:
   void build(std::vector<LayerFactory> factories, LossFn loss);
@@ -68,6 +74,8 @@ class Pipeline {
   std::vector<int64_t> balance_;
   std::string partition_report_;
   std::vector<Action> actions_;
+  std::vector<TimedAction> timeline_;
+  double step_milliseconds_ = 0;
   std::vector<std::unique_ptr<PipelineStage>> stages_;  // this rank's, in increasing stage order
   std::unique_ptr<StageLinks> links_;
   std::unique_ptr<ReplicaGradients> replica_gradients_;

@@ -28,9 +28,13 @@ double cost_of(ActionType type, const ActionCosts& costs) {
 
 class Simulator {
  public:
-  Simulator(const std::vector<std::vector<Action>>& lists, int stages, int microbatches, const ActionCosts& costs)
+  Simulator(const std::vector<std::vector<Action>>& lists, int stages, int microbatches,
+            std::vector<ActionCosts> stage_costs)
       : lists_(lists), ranks_(static_cast<int>(lists.size())), stages_(stages), microbatches_(microbatches),
-        costs_(costs) {}
+        costs_(std::move(stage_costs)) {
+    TORCH_CHECK(costs_.size() == static_cast<size_t>(stages), "pipeline simulator: ", costs_.size(),
+                " stage costs for ", stages, " stages");
+  }
 
   Simulation run() {
     check_placement_and_completeness();
@@ -55,7 +59,7 @@ class Simulator {
             break;
           }
           const double start = std::max(clock[rank], *ready);
-          const double end = start + cost_of(action.type, costs_);
+          const double end = start + cost_of(action.type, costs_[action.stage]);
           finished_[key_of(action)] = end;
           if (action.type == ActionType::RecvActivation || action.type == ActionType::RecvGradient) {
             posted[rank][key_of(action)] = true;
@@ -122,7 +126,8 @@ class Simulator {
       if (!posted.count({recv, s, mb})) {
         return std::nullopt;
       }
-      return done(send, sender_stage, mb);
+      auto sent = done(send, sender_stage, mb);
+      return sent ? std::optional<double>(*sent + costs_[sender_stage].transfer) : std::nullopt;
     };
     switch (action.type) {
       case ActionType::Forward:
@@ -153,8 +158,13 @@ class Simulator {
         return done(ActionType::Forward, s, mb);
       case ActionType::SendGradient:
         return input_gradient(s, mb);
-      case ActionType::RecvActivation:  // guesses its shapes from the previous micro-batch's header
-        return mb == 0 ? std::optional<double>(0.0) : done(ActionType::SendActivation, s - 1, mb - 1);
+      case ActionType::RecvActivation: {  // guesses its shapes from the previous micro-batch's header
+        if (mb == 0) {
+          return 0.0;
+        }
+        auto sent = done(ActionType::SendActivation, s - 1, mb - 1);
+        return sent ? std::optional<double>(*sent + costs_[s - 1].transfer) : std::nullopt;
+      }
       case ActionType::RecvGradient:  // sized by the activation it belongs to, so posted after sending it
         return done(ActionType::SendActivation, s, mb);
     }
@@ -218,7 +228,7 @@ class Simulator {
   int ranks_;
   int stages_;
   int microbatches_;
-  ActionCosts costs_;
+  std::vector<ActionCosts> costs_;  // per stage
   std::map<Key, double> finished_;
 };
 
@@ -226,11 +236,15 @@ class Simulator {
 
 Simulation simulate(const std::vector<std::vector<Action>>& rank_actions, int stages, int microbatches,
                     const ActionCosts& costs) {
-  return Simulator(rank_actions, stages, microbatches, costs).run();
+  return Simulator(rank_actions, stages, microbatches, std::vector<ActionCosts>(std::max(stages, 0), costs)).run();
 }
 
 Simulation simulate(const ScheduleSpec& spec, const ActionCosts& costs) {
   return simulate(all_rank_actions(spec), spec.stages(), spec.microbatches, costs);
+}
+
+Simulation simulate(const ScheduleSpec& spec, const std::vector<ActionCosts>& stage_costs) {
+  return Simulator(all_rank_actions(spec), spec.stages(), spec.microbatches, stage_costs).run();
 }
 
 std::string render_grid(const Simulation& simulation) {

@@ -9,13 +9,16 @@
 
 namespace torchpar::pipeline {
 
-// Relative durations; communication is free. The defaults are the usual assumption of the
-// schedule papers: a backward costs two forwards, split evenly into input and weight gradients.
+// Durations. The defaults are the usual assumption of the schedule papers: a backward costs two
+// forwards, split evenly into input and weight gradients, and communication is free. `transfer` is
+// the delay from a send to its data being usable on the receiving rank (measured, it makes the
+// prediction of a real run's bubble honest).
 struct ActionCosts {
   double forward = 1.0;
   double backward = 2.0;
   double backward_input = 1.0;
   double backward_weight = 1.0;
+  double transfer = 0.0;
 };
 
 struct TimedAction {
@@ -40,6 +43,8 @@ struct Simulation {
 Simulation simulate(const std::vector<std::vector<Action>>& rank_actions, int stages, int microbatches,
                     const ActionCosts& costs = {});
 Simulation simulate(const ScheduleSpec& spec, const ActionCosts& costs = {});
+// Stages of unequal cost: `stage_costs[s]` for the actions of stage s (one entry per stage).
+Simulation simulate(const ScheduleSpec& spec, const std::vector<ActionCosts>& stage_costs);
 
 // One row per rank, one column per time unit (the smallest action cost): "F3", "B3", "I3", "W3";
 // with virtual stages the stage follows, e.g. "F3s5"; "." is idle.

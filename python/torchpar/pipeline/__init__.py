@@ -30,11 +30,13 @@ __all__ = [
     "balanced_partition",
     "hybrid_groups",
     "simulate",
+    "simulate_stages",
     "uniform_partition",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 simulate = _engine.simulate
+simulate_stages = _engine.simulate_stages
 balanced_partition = _engine.balanced_partition
 uniform_partition = _engine.uniform_partition
 
@@ -185,6 +187,17 @@ class Pipeline:
     def actions(self):
         """This rank's schedule: the action list ``step`` executes."""
         return self._engine.actions
+
+    @property
+    def last_step_timeline(self):
+        """The last step on this rank: compute actions with start/end in ms since the step began
+        (``.action``, ``.start``, ``.end``), the measured counterpart of ``simulate(...).timeline``."""
+        return self._engine.last_step_timeline
+
+    @property
+    def last_step_milliseconds(self) -> float:
+        """The last step's duration on this rank, up to its last send (the loss broadcast excluded)."""
+        return self._engine.last_step_milliseconds
 
 
 def hybrid_groups(stages: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
