@@ -1,5 +1,8 @@
 """What every benchmark needs to start its ranks on this host."""
+import multiprocessing
+import queue
 import socket
+from typing import Callable
 
 
 def free_port() -> int:
@@ -7,3 +10,30 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def run_world(world: int, rank_main: Callable, options: dict) -> list[dict]:
+    """Spawns `world` ranks running rank_main(rank, world, port, options, results) and returns what
+    rank 0 put in `results`; if a rank fails, stops the others and says so."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=rank_main, args=(rank, world, port, options, results)) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    rows = None
+    while rows is None:
+        try:
+            rows = results.get(timeout=1)
+        except queue.Empty:
+            failed = [(rank, p.exitcode) for rank, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+            if failed:
+                for process in ranks:
+                    if process.is_alive():
+                        process.kill()
+                raise SystemExit(f"rank {failed[0][0]} of the {world}-rank run failed (exit code {failed[0][1]})")
+    for rank, process in enumerate(ranks):
+        process.join()
+        if process.exitcode != 0:
+            raise SystemExit(f"rank {rank} of the {world}-rank run failed (exit code {process.exitcode})")
+    return rows

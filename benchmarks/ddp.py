@@ -36,10 +36,8 @@ import dataclasses
 import datetime
 import json
 import logging
-import multiprocessing
 import os
 import pathlib
-import queue
 import statistics
 import time
 import warnings
@@ -49,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_ranks import free_port
+from bench_ranks import run_world
 
 logger = logging.getLogger("torchpar.bench")
 BACKENDS = ("gloo", "shm")
@@ -215,32 +213,6 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
     dist.destroy_process_group()
 
 
-def run_world(world: int, config: dict) -> list[dict]:
-    """Spawns `world` ranks and returns rank 0's rows; if a rank fails, stops the others and says so."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    ranks = [context.Process(target=rank_main, args=(rank, world, port, config, results)) for rank in range(world)]
-    for process in ranks:
-        process.start()
-    rows = None
-    while rows is None:
-        try:
-            rows = results.get(timeout=1)
-        except queue.Empty:
-            failed = [(rank, p.exitcode) for rank, p in enumerate(ranks) if p.exitcode not in (None, 0)]
-            if failed:
-                for process in ranks:
-                    if process.is_alive():
-                        process.kill()
-                raise SystemExit(f"rank {failed[0][0]} of the {world}-rank run failed (exit code {failed[0][1]})")
-    for rank, process in enumerate(ranks):
-        process.join()
-        if process.exitcode != 0:
-            raise SystemExit(f"rank {rank} of the {world}-rank run failed (exit code {process.exitcode})")
-    return rows
-
-
 def table(rows: list[dict]) -> str:
     index = {(r["model"], r["world"], r["backend"], r["impl"]): r["steps_per_s"] for r in rows}
     ratio = {(r["model"], r["world"], r["backend"]): r["ratio_to_torch"] for r in rows if r["impl"] == "torchpar"}
@@ -316,7 +288,7 @@ def main() -> None:
     start = time.perf_counter()
     rows = []
     for world in args.worlds:
-        rows.extend(run_world(world, config))
+        rows.extend(run_world(world, rank_main, config))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ddp.json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.out / "ddp.png")

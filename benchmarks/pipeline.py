@@ -63,10 +63,8 @@ import datetime
 import gc
 import json
 import logging
-import multiprocessing
 import os
 import pathlib
-import queue
 import statistics
 import time
 import warnings
@@ -78,7 +76,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from bench_ranks import free_port
+from bench_ranks import run_world
 
 logger = logging.getLogger("torchpar.bench")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
@@ -561,32 +559,6 @@ def bubble_figures(row: dict, costs: list[dict], world: int) -> dict:
     return figures
 
 
-def run_world(world: int, options: dict) -> list[dict]:
-    """Spawns `world` ranks and returns rank 0's rows; if a rank fails, stops the others and says so."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    ranks = [context.Process(target=rank_main, args=(rank, world, port, options, results)) for rank in range(world)]
-    for process in ranks:
-        process.start()
-    rows = None
-    while rows is None:
-        try:
-            rows = results.get(timeout=1)
-        except queue.Empty:
-            failed = [(rank, p.exitcode) for rank, p in enumerate(ranks) if p.exitcode not in (None, 0)]
-            if failed:
-                for process in ranks:
-                    if process.is_alive():
-                        process.kill()
-                raise SystemExit(f"rank {failed[0][0]} of the {world}-rank run failed (exit code {failed[0][1]})")
-    for rank, process in enumerate(ranks):
-        process.join()
-        if process.exitcode != 0:
-            raise SystemExit(f"rank {rank} of the {world}-rank run failed (exit code {process.exitcode})")
-    return rows
-
-
 # ---------------------------------------------------------------------------------------------------
 # Report
 
@@ -756,7 +728,7 @@ def main() -> None:
                     load, os.cpu_count())
     rows = []
     for world in args.worlds:
-        rows.extend(run_world(world, options))
+        rows.extend(run_world(world, rank_main, options))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pipeline.json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.out / "pipeline.png")
