@@ -89,11 +89,18 @@ def report_rank1_message(rank, world):
     try:
         pipe.step(inputs, target)
     except RuntimeError as error:
-        return str(error)
-    raise AssertionError("the mismatch went unnoticed")
+        message = str(error)
+    else:
+        raise AssertionError("the mismatch went unnoticed")
+    try:
+        pipe.step(inputs, target)  # must not pair its messages with a peer stuck in the failed step
+    except RuntimeError as error:
+        assert "an earlier step or forward failed on this rank (rank 1)" in str(error), str(error)
+        return message
+    raise AssertionError("a pipeline that failed ran another step")
 
 
-def test_the_receiving_stage_explains_the_mismatch():
+def test_the_receiving_stage_explains_the_mismatch_and_refuses_further_steps():
     outcomes = launch_ranks(2, report_rank1_message, deadline_s=60, collective_timeout_s=10, grace_s=0.5)
     message = outcomes[1].value
     assert outcomes[1].passed and message, outcomes[1].message

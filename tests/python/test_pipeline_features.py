@@ -209,3 +209,25 @@ def test_the_last_step_timeline_records_each_compute_action_in_order():
         for _, _, start, end in timeline:
             assert ends <= start <= end <= milliseconds
             ends = end
+
+
+def in_place_first_layers(rank, world, schedule, checkpoint):
+    torch.manual_seed(0)
+    # Stage 1 (and, with split backward, every layer) starts with an in-place op on its input.
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True),
+                          nn.Linear(16, 5))
+    inputs, target = batch(8)
+    expected_loss, expected_grads = reference_gradients(model, inputs, target)
+    pipe = torchpar.pipeline.Pipeline(copy.deepcopy(model), nn.functional.cross_entropy, schedule=schedule,
+                                      microbatches=2, balance=[1, 4], checkpoint=checkpoint)
+    for _ in range(2):
+        for parameter in pipe.parameters():
+            parameter.grad = None
+        loss = pipe.step(inputs, target)
+        assert_matches_reference(pipe, model, loss, expected_loss, expected_grads)
+    return True
+
+
+def test_layers_that_change_their_input_in_place():
+    for schedule, checkpoint in (("1f1b", False), ("zero_bubble", False), ("1f1b", True)):
+        assert run_on_ranks(2, in_place_first_layers, schedule, checkpoint) == [True, True]

@@ -28,6 +28,9 @@ namespace torchpar::pipeline {
 
 using Tensors = std::vector<at::Tensor>;
 
+// Micro-batches per step the message tags can tell apart.
+constexpr int kMaxMicrobatches = 4096;
+
 struct TensorMeta {
   c10::ScalarType dtype = c10::ScalarType::Float;
   std::vector<int64_t> sizes;
@@ -96,7 +99,8 @@ class StageLinks {
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   c10::Device device_;
-  // NCCL pairs messages in posting order, not by tag: there, no receive is posted ahead of its header.
+  // NCCL pairs messages in posting order, not by tag: there, no activation receive is posted ahead
+  // of its header (and the pipeline refuses the schedules whose two ends post in different orders).
   bool guess_shapes_;
   std::map<int, TensorMetas> last_sent_;      // per receiving stage
   std::map<int, TensorMetas> last_received_;  // per receiving stage, in header order

@@ -130,6 +130,14 @@ void Pipeline::build(std::vector<LayerFactory> factories, LossFn loss) {
   spec_.microbatches = options_.microbatches();
   spec_.virtual_stages = options_.virtual_stages();
   check_schedule(spec_);
+  TORCH_CHECK(spec_.microbatches <= kMaxMicrobatches, "pipeline: at most ", kMaxMicrobatches,
+              " micro-batches per step, got ", spec_.microbatches);
+  const bool nccl = group.getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
+  // NCCL pairs messages by posting order on one stream per pair, and in GPipe and interleaved 1F1B
+  // the two ends of a pair post activations and gradients in different orders.
+  TORCH_CHECK(!nccl || spec_.kind == ScheduleKind::OneFOneB || spec_.kind == ScheduleKind::ZeroBubbleH1,
+              "pipeline schedule ", schedule_name(spec_.kind), " is not supported on NCCL yet (1f1b and zero_bubble "
+              "are); use backend gloo, or cpu:gloo,cuda:gloo");
   plan_partition(factories);
   actions_ = rank_actions(spec_, rank_);
 
@@ -147,12 +155,9 @@ void Pipeline::build(std::vector<LayerFactory> factories, LossFn loss) {
                                                       last ? loss : LossFn()));
     stage_parameters.push_back(stages_.back()->parameters());
   }
-  c10::Device device(c10::kCPU);
-  for (const auto& parameters : stage_parameters) {
-    if (!parameters.empty()) {
-      device = parameters.front().device();
-    }
-  }
+  // Every rank must agree on where messages live: on the GPU exactly when the group's default
+  // backend is NCCL (a rank whose stages hold no parameters cannot tell from its own).
+  const c10::Device device = nccl ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
   links_ = std::make_unique<StageLinks>(options_.process_group(), device);
   if (options_.data_parallel_group() && options_.data_parallel_group()->getSize() > 1) {
     replica_gradients_ = std::make_unique<ReplicaGradients>(options_.data_parallel_group(),
@@ -184,7 +189,13 @@ std::vector<int> Pipeline::stages() const {
 
 bool Pipeline::has_last_stage() const { return stages_.back()->is_last(); }
 
+void Pipeline::check_usable(const char* call) const {
+  TORCH_CHECK(!failed_, "pipeline.", call, ": an earlier step or forward failed on this rank (rank ", rank_,
+              "); its peers may be anywhere in that step, so this pipeline cannot go on: build a new one");
+}
+
 at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
+  check_usable("step");
   const auto step_start = std::chrono::steady_clock::now();
   auto since_step_start = [&] {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start).count();
@@ -306,14 +317,21 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
       stage->discard_in_flight();
     }
     links_->discard_pending();
+    if (replica_gradients_) {
+      replica_gradients_->discard();
+    }
+    // The peers' view of this step is unknown (which transfers and all-reduces completed), so no
+    // later step could be trusted to pair its messages with theirs.
+    failed_ = true;
     throw;
   }
 
   if (!options_.loss_on_all_ranks()) {
     return loss_sum;
   }
-  const auto device = stages_.front()->parameters().empty() ? c10::Device(c10::kCPU)
-                                                            : stages_.front()->parameters().front().device();
+  const auto device = options_.process_group()->getBackendType() == c10d::ProcessGroup::BackendType::NCCL
+                          ? c10::Device(c10::kCUDA)
+                          : c10::Device(c10::kCPU);
   std::vector<at::Tensor> loss{has_last_stage() ? loss_sum.detach().reshape({1}).to(device, at::kDouble)
                                                 : at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device))};
   options_.process_group()->broadcast(loss, {stage_rank(last), 0})->wait();
@@ -321,10 +339,25 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
 }
 
 Tensors Pipeline::forward(const Tensors& inputs) {
+  check_usable("forward");
+  try {
+    return run_forward(inputs);
+  } catch (...) {
+    for (auto& stage : stages_) {
+      stage->discard_in_flight();
+    }
+    links_->discard_pending();
+    failed_ = true;
+    throw;
+  }
+}
+
+Tensors Pipeline::run_forward(const Tensors& inputs) {
   const int m = spec_.microbatches;
   const int last = spec_.stages() - 1;
   std::vector<Tensors> input_microbatches(m);
   if (stage_rank(0) == rank_) {
+    TORCH_CHECK(!inputs.empty(), "pipeline.forward: the first stage's rank needs inputs");
     for (const auto& input : inputs) {
       auto chunks = input.tensor_split(m);
       for (int mb = 0; mb < m; ++mb) {

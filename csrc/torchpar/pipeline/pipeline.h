@@ -66,6 +66,8 @@ class Pipeline {
   void build(std::vector<LayerFactory> factories, LossFn loss);
   void plan_partition(const std::vector<LayerFactory>& factories);
   PipelineStage& local_stage(int stage);
+  void check_usable(const char* call) const;
+  Tensors run_forward(const Tensors& inputs);
   int stage_rank(int stage) const { return rank_of_stage(stage, spec_.ranks); }
 
   PipelineOptions options_;
@@ -76,6 +78,7 @@ class Pipeline {
   std::vector<Action> actions_;
   std::vector<TimedAction> timeline_;
   double step_milliseconds_ = 0;
+  bool failed_ = false;
   std::vector<std::unique_ptr<PipelineStage>> stages_;  // this rank's, in increasing stage order
   std::unique_ptr<StageLinks> links_;
   std::unique_ptr<ReplicaGradients> replica_gradients_;

@@ -84,8 +84,10 @@ void ReplicaGradients::finish() {
   for (auto local_stage : launched_) {
     for (auto& bucket : buckets_[local_stage]) {
       try {
+        TORCH_INTERNAL_ASSERT(bucket.work, "pipeline: stage ", local_stage, "'s gradients launched twice");
         bucket.work->wait();
       } catch (const std::exception& error) {
+        discard();
         TORCH_CHECK(false, "pipeline (data-parallel rank ", group_->getRank(),
                     "): averaging stage gradients over the replicas failed: ", error.what());
       }
@@ -95,6 +97,16 @@ void ReplicaGradients::finish() {
         gradients.push_back(parameter.grad());
       }
       unflatten_into(bucket.flat, gradients);
+      bucket.flat = at::Tensor();
+      bucket.work.reset();
+    }
+  }
+  launched_.clear();
+}
+
+void ReplicaGradients::discard() {
+  for (auto local_stage : launched_) {
+    for (auto& bucket : buckets_[local_stage]) {
       bucket.flat = at::Tensor();
       bucket.work.reset();
     }

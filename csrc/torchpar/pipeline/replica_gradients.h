@@ -22,6 +22,8 @@ class ReplicaGradients {
   void launch(size_t local_stage);
   // Waits for every launched all-reduce and writes the averages back into .grad.
   void finish();
+  // After a failed step: forget what was launched.
+  void discard();
 
  private:
   struct Bucket {

@@ -98,6 +98,7 @@ PipelineStage::PipelineStage(int index, int first_layer, std::vector<Layer> laye
     : index_(index), first_layer_(first_layer), layers_(std::move(layers)), checkpoint_(checkpoint_activations),
       split_backward_(split_backward), loss_(std::move(loss)) {
   TORCH_CHECK(!layers_.empty(), "pipeline stage ", index, " has no layers");
+  modifies_inputs_.assign(layers_.size(), false);
 }
 
 std::string PipelineStage::describe() const {
@@ -118,17 +119,40 @@ Tensors PipelineStage::parameters() const {
 }
 
 Tensors PipelineStage::call_layer(size_t layer, const Tensors& inputs, int microbatch) {
-  try {
-    return layers_[layer].forward(inputs);
-  } catch (const std::exception& error) {
-    TORCH_CHECK(false, where(microbatch), ": layer ", first_layer_ + static_cast<int>(layer), " (",
-                layers_[layer].name, ") failed on inputs ", pipeline::describe(metas_of(inputs)), ": ",
-                message_of(error));
+  // Stage inputs (and, in split backward, every layer's input) are leaves, which a layer starting
+  // with an in-place op (ReLU(inplace=True), x += ...) may not modify: such a layer gets copies,
+  // from the first time it tries on.
+  auto copies = [](const Tensors& tensors) {
+    Tensors result;
+    for (const auto& tensor : tensors) {
+      result.push_back(takes_gradient(tensor) && tensor.is_leaf() ? tensor.clone() : tensor);
+    }
+    return result;
+  };
+  for (int attempt = 0;; ++attempt) {
+    try {
+      return layers_[layer].forward(modifies_inputs_[layer] ? copies(inputs) : inputs);
+    } catch (const std::exception& error) {
+      const auto message = message_of(error);
+      if (attempt == 0 && !modifies_inputs_[layer] &&
+          message.find("leaf Variable that requires grad is being used in an in-place operation") != std::string::npos) {
+        modifies_inputs_[layer] = true;
+        continue;
+      }
+      TORCH_CHECK(false, where(microbatch), ": layer ", first_layer_ + static_cast<int>(layer), " (",
+                  layers_[layer].name, ") failed on inputs ", pipeline::describe(metas_of(inputs)), ": ", message);
+    }
   }
 }
 
 void PipelineStage::run(int microbatch, InFlight& state) {
   Tensors current = state.inputs;
+  if (!c10::GradMode::is_enabled()) {
+    // Without autograd an in-place layer could change the inputs kept for recomputation.
+    for (auto& tensor : current) {
+      tensor = tensor.clone();
+    }
+  }
   state.layer_inputs.clear();
   state.layer_outputs.clear();
   for (size_t layer = 0; layer < layers_.size(); ++layer) {
@@ -222,7 +246,8 @@ PipelineStage::InFlight& PipelineStage::state_of(int microbatch, const char* pas
 Tensors PipelineStage::backward(int microbatch, const Tensors& output_gradients) {
   TORCH_CHECK(!split_backward_, where(microbatch), ": full backward on a stage built for split backward");
   auto& state = state_of(microbatch, "backward");
-  auto [roots, grads] = loss_ ? std::pair<Tensors, Tensors>{{state.loss}, {}}
+  auto [roots, grads] = loss_ ? (state.loss.requires_grad() ? std::pair<Tensors, Tensors>{{state.loss}, {}}
+                                                             : std::pair<Tensors, Tensors>{})
                               : differentiable(state.outputs, output_gradients);
   Tensors result;
   try {
@@ -245,7 +270,8 @@ Tensors PipelineStage::backward_input(int microbatch, const Tensors& output_grad
   try {
     Tensors gradients = output_gradients;
     if (loss_) {
-      gradients = input_gradients({state.loss}, {}, state.loss_inputs);
+      gradients = state.loss.requires_grad() ? input_gradients({state.loss}, {}, state.loss_inputs)
+                                             : Tensors(state.loss_inputs.size());
     }
     state.output_gradients.assign(layers_.size(), {});
     for (size_t layer = layers_.size(); layer-- > 0;) {

@@ -72,6 +72,7 @@ class PipelineStage {
   int index_;
   int first_layer_;
   std::vector<Layer> layers_;
+  std::vector<bool> modifies_inputs_;  // per layer: found to change its inputs in place
   bool checkpoint_;
   bool split_backward_;
   LossFn loss_;
