@@ -46,6 +46,24 @@ at::Tensor cross_entropy(const pp::Tensors& outputs, const at::Tensor& target) {
   return at::cross_entropy_loss(outputs[0], target);
 }
 
+// This rank's parameters' gradients against those of the same layers of the single-process reference.
+void check_gradients_match(const pp::Pipeline& pipe, const torch::nn::Sequential& reference) {
+  const auto boundaries = pp::stage_boundaries(pipe.balance());
+  std::vector<at::Tensor> expected;
+  for (int stage : pipe.stages()) {
+    for (int64_t layer = boundaries[stage]; layer < boundaries[stage + 1]; ++layer) {
+      for (const auto& parameter : (*reference)[layer]->parameters()) {
+        expected.push_back(parameter.grad());
+      }
+    }
+  }
+  const auto own = pipe.parameters();
+  REQUIRE(own.size() == expected.size());
+  for (size_t i = 0; i < own.size(); ++i) {
+    CHECK((own[i].grad() - expected[i]).abs().max().item<double>() < 1e-5);
+  }
+}
+
 } // namespace
 
 TEST_CASE("every schedule is complete and deadlock-free; 1F1B's bubble is (p-1)/(m+p-1)") {
@@ -104,21 +122,7 @@ TEST_CASE("C++ pipeline equals single-process training for every schedule") {
       const auto loss = pipe.step(inputs, target);
       INFO(schedule << " on rank " << rank << " of " << world);
       CHECK(std::abs(loss.item<double>() - expected_loss.item<double>()) < 1e-5);
-      // Own stages' parameters against the same layers of the reference.
-      const auto boundaries = pp::stage_boundaries(pipe.balance());
-      std::vector<at::Tensor> expected;
-      for (int stage : pipe.stages()) {
-        for (int64_t layer = boundaries[stage]; layer < boundaries[stage + 1]; ++layer) {
-          for (const auto& parameter : (*reference)[layer]->parameters()) {
-            expected.push_back(parameter.grad());
-          }
-        }
-      }
-      const auto own = pipe.parameters();
-      REQUIRE(own.size() == expected.size());
-      for (size_t i = 0; i < own.size(); ++i) {
-        CHECK((own[i].grad() - expected[i]).abs().max().item<double>() < 1e-5);
-      }
+      check_gradients_match(pipe, reference);
     }
   });
 }
@@ -173,17 +177,7 @@ TEST_CASE("C++ pipeline x data parallel: 2 replicas of 2 stages equal single-pro
                           .microbatches(2));
     const auto share = at::arange(8) + 8 * (rank / 2);
     pipe.step(inputs.index_select(0, share), target.index_select(0, share));
-    const auto boundaries = pp::stage_boundaries(pipe.balance());
-    std::vector<at::Tensor> expected;
-    for (int64_t layer = boundaries[rank % 2]; layer < boundaries[rank % 2 + 1]; ++layer) {
-      for (const auto& parameter : (*reference)[layer]->parameters()) {
-        expected.push_back(parameter.grad());
-      }
-    }
-    const auto own = pipe.parameters();
-    REQUIRE(own.size() == expected.size());
-    for (size_t i = 0; i < own.size(); ++i) {
-      CHECK((own[i].grad() - expected[i]).abs().max().item<double>() < 1e-5);
-    }
+    CHECK(pipe.stages() == std::vector<int>{rank % 2});
+    check_gradients_match(pipe, reference);
   });
 }

@@ -26,30 +26,23 @@ def test_batch_not_divisible_into_microbatches():
         assert "batch of 10 samples" in message and "does not split into 4 equal micro-batches" in message, message
 
 
-def build_interleaved(rank, world):
+def construction_error(rank, world, layers, options):
+    """The message with which Pipeline(layers, ..., **options) is refused on this rank."""
     try:
-        torchpar.pipeline.Pipeline(deep_mlp(), nn.functional.cross_entropy, schedule="interleaved",
-                                   microbatches=3, virtual_stages=2)
+        torchpar.pipeline.Pipeline(layers, nn.functional.cross_entropy, **options)
     except RuntimeError as error:
         return str(error)
-    raise AssertionError("interleaved 1F1B accepted 3 micro-batches on 2 ranks")
+    raise AssertionError(f"a pipeline was built with {options}")
 
 
 def test_microbatches_the_schedule_cannot_run():
-    for message in run_on_ranks(2, build_interleaved, deadline_s=60):
+    options = dict(schedule="interleaved", microbatches=3, virtual_stages=2)
+    for message in run_on_ranks(2, construction_error, deep_mlp(), options, deadline_s=60):
         assert "micro-batches (3) must be a multiple of the pipeline ranks (2)" in message, message
 
 
-def too_few_layers(rank, world):
-    try:
-        torchpar.pipeline.Pipeline([nn.Linear(12, 5)], nn.functional.cross_entropy, microbatches=2)
-    except RuntimeError as error:
-        return str(error)
-    raise AssertionError("one layer was cut into two stages")
-
-
 def test_more_stages_than_layers():
-    for message in run_on_ranks(2, too_few_layers, deadline_s=60):
+    for message in run_on_ranks(2, construction_error, [nn.Linear(12, 5)], dict(microbatches=2), deadline_s=60):
         assert "1 layers cannot fill 2 stages" in message, message
 
 
