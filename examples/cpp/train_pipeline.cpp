@@ -9,10 +9,8 @@
 // rank prints the held-out accuracy; every rank exits with status 1 if it is below 95%.
 #include <unistd.h>
 
-#include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <iterator>
 #include <string>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -21,12 +19,13 @@
 #include <ATen/ops/randperm.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 #include <torchpar/torchpar.h>
+
+#include "digits.h"
 
 namespace {
 
@@ -67,16 +66,6 @@ Arguments parse(int argc, char** argv) {
   return arguments;
 }
 
-// data/digits.pt is a dict of tensors written by Python's torch.save (scripts/export_digits.py).
-c10::Dict<c10::IValue, c10::IValue> load_digits(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) {
-    throw std::invalid_argument("cannot read " + path + " (scripts/setup.sh writes it; or run scripts/export_digits.py)");
-  }
-  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  return torch::jit::pickle_load(bytes).toGenericDict();
-}
-
 // Layer i of a 10-layer MLP; each factory seeds itself, so a layer's initial weights do not depend
 // on which rank builds it.
 std::vector<torchpar::pipeline::LayerFactory> mlp_layers() {
@@ -114,9 +103,7 @@ int main(int argc, char** argv) {
   }
   const int rank = group->getRank();
   const int world = group->getSize();
-  const auto digits = load_digits(arguments.data);
-  const auto train_x = digits.at("train_x").toTensor(), train_y = digits.at("train_y").toTensor();
-  const auto test_x = digits.at("test_x").toTensor(), test_y = digits.at("test_y").toTensor();
+  const auto [train_x, train_y, test_x, test_y] = load_digits(arguments.data);
 
   torchpar::pipeline::Pipeline pipe(
       mlp_layers(), [](const torchpar::pipeline::Tensors& outputs, const at::Tensor& target) {
