@@ -26,15 +26,4 @@ std::string to_string(const Action& action) {
          std::to_string(action.stage);
 }
 
-std::string to_string(const std::vector<Action>& actions) {
-  std::string text;
-  for (const auto& action : actions) {
-    if (!text.empty()) {
-      text += ' ';
-    }
-    text += to_string(action);
-  }
-  return text;
-}
-
 } // namespace torchpar::pipeline

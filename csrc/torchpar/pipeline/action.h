@@ -3,7 +3,6 @@
 #pragma once
 #include <cstdint>
 #include <string>
-#include <vector>
 
 namespace torchpar::pipeline {
 
@@ -32,8 +31,7 @@ struct Action {
 bool is_compute(ActionType type);
 // "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B".
 const char* action_type_name(ActionType type);
-// e.g. "F3" for Forward of micro-batch 3, "SEND_F3@s1".
+// e.g. "F3@s1" for stage 1's forward of micro-batch 3, "SEND_F3@s1".
 std::string to_string(const Action& action);
-std::string to_string(const std::vector<Action>& actions);
 
 } // namespace torchpar::pipeline
