@@ -46,11 +46,15 @@ def test_more_stages_than_layers():
         assert "1 layers cannot fill 2 stages" in message, message
 
 
-def mismatched_stages(rank, world):
+def mismatched_pipeline():
     torch.manual_seed(0)
     # Stage 0 ends with 16 features; stage 1 starts with a layer expecting 12.
     layers = [nn.Linear(12, 16), nn.Tanh(), nn.Linear(12, 5)]
-    pipe = torchpar.pipeline.Pipeline(layers, nn.functional.cross_entropy, microbatches=2, balance=[2, 1])
+    return torchpar.pipeline.Pipeline(layers, nn.functional.cross_entropy, microbatches=2, balance=[2, 1])
+
+
+def mismatched_stages(rank, world):
+    pipe = mismatched_pipeline()
     inputs, target = batch(8)
     try:
         pipe.step(inputs, target)
@@ -73,9 +77,7 @@ def test_stage_output_not_accepted_by_the_next_stage_names_stage_microbatch_and_
 
 
 def report_rank1_message(rank, world):
-    torch.manual_seed(0)
-    layers = [nn.Linear(12, 16), nn.Tanh(), nn.Linear(12, 5)]
-    pipe = torchpar.pipeline.Pipeline(layers, nn.functional.cross_entropy, microbatches=2, balance=[2, 1])
+    pipe = mismatched_pipeline()
     inputs, target = batch(8)
     if rank == 0:
         pipe.step(inputs, target)  # fails once rank 1 is gone; the test looks at rank 1's message only
