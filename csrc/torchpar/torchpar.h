@@ -9,3 +9,6 @@
 #include <torchpar/pipeline/partition.h>
 #include <torchpar/pipeline/pipeline.h>
 #include <torchpar/pipeline/simulator.h>
+#include <torchpar/ps/embedding.h>
+#include <torchpar/ps/remote_parameters.h>
+#include <torchpar/ps/service.h>

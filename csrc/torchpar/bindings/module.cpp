@@ -19,4 +19,5 @@ PYBIND11_MODULE(_C, module) {
   torchpar::bindings::bind_comm(module);
   torchpar::bindings::bind_ddp(module);
   torchpar::bindings::bind_pipeline(module);
+  torchpar::bindings::bind_ps(module);
 }

@@ -1,0 +1,73 @@
+#pragma once
+// One peer of the parameter service, over the process group's point-to-point ops: messages out
+// are sent in order by a sender thread, messages in are received by a receiver thread and handed
+// to a callback. A broken connection (the peer died) reaches the failure callback once.
+#include <torchpar/ps/wire_format.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace c10d {
+class ProcessGroup;
+class Work;
+} // namespace c10d
+
+namespace torchpar::ps {
+
+// Tags of the two directions (each uses the tag and the next one: frame, payload).
+constexpr int kRequestTag = 0x50530;
+constexpr int kReplyTag = 0x50532;
+
+struct Message {
+  Frame frame;
+  at::Tensor payload; // uint8 [frame.payload_bytes]; undefined when empty
+};
+
+Message make_message(MessageKind kind, int64_t request_id, std::vector<uint8_t> payload);
+
+class Channel {
+ public:
+  // Returns false to stop receiving (the peer's last message arrived).
+  using OnMessage = std::function<bool(Message&&)>;
+  using OnFailure = std::function<void(const std::string&)>;
+
+  // Each direction uses two tags (frame, payload): `outgoing_tag`, `outgoing_tag + 1` to the peer.
+  Channel(c10::intrusive_ptr<c10d::ProcessGroup> group, int peer, int outgoing_tag, int incoming_tag,
+          OnMessage on_message, OnFailure on_failure);
+  // Sends what is queued, then stops; a receive still waiting is abandoned.
+  ~Channel();
+
+  void send(Message message);
+  int peer() const { return peer_; }
+
+ private:
+  void send_loop();
+  void receive_loop();
+  void receive(std::vector<at::Tensor>& buffer, int tag);
+  void fail(const std::string& reason);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int peer_;
+  int outgoing_tag_;
+  int incoming_tag_;
+  OnMessage on_message_;
+  OnFailure on_failure_;
+
+  std::mutex mutex_;
+  std::condition_variable queued_;
+  std::deque<Message> outbox_;
+  bool stopping_ = false;
+  bool failed_ = false;
+  c10::intrusive_ptr<c10d::Work> pending_receive_;
+  std::thread sender_;
+  std::thread receiver_;
+};
+
+} // namespace torchpar::ps

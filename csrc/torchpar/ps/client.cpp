@@ -1,0 +1,654 @@
+#include <torchpar/ps/client.h>
+
+#include <torchpar/ps/messages.h>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Logging.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <array>
+#include <cstring>
+#include <unordered_map>
+
+namespace torchpar::ps {
+namespace {
+
+uint64_t mix(uint64_t x) { // splitmix64's finaliser: skewed ids still spread over the servers
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Completes `future` once every part has answered; the first error fails it.
+struct Gather {
+  explicit Gather(c10::TypePtr type) : future(c10::make_intrusive<c10::ivalue::Future>(std::move(type))) {}
+  std::mutex mutex;
+  int remaining = 0;
+  bool failed = false;
+  Future future;
+  std::function<c10::IValue()> result;
+
+  void part_done() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (failed || --remaining > 0) return;
+    }
+    try {
+      future->markCompleted(result());
+    } catch (const std::exception& error) {
+      fail(error.what());
+    }
+  }
+  void fail(const std::string& reason) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (failed) return;
+      failed = true;
+    }
+    future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(reason)));
+  }
+  void start_if_empty() {
+    if (remaining == 0) future->markCompleted(result());
+  }
+};
+
+// Distinct ids in first-seen order and, per position of `ids`, the index of its id among them.
+struct DistinctIds {
+  std::vector<int64_t> ids;
+  at::Tensor inverse;
+};
+
+DistinctIds distinct_ids(const at::Tensor& ids) {
+  DistinctIds result;
+  const auto flat = ids.contiguous().view(-1);
+  const auto* id = flat.data_ptr<int64_t>();
+  result.inverse = at::empty({flat.numel()}, at::kLong);
+  auto* inverse = result.inverse.data_ptr<int64_t>();
+  std::unordered_map<int64_t, int64_t> index_of;
+  index_of.reserve(flat.numel());
+  for (int64_t i = 0; i < flat.numel(); ++i) {
+    auto [entry, created] = index_of.try_emplace(id[i], static_cast<int64_t>(result.ids.size()));
+    if (created) result.ids.push_back(id[i]);
+    inverse[i] = entry->second;
+  }
+  return result;
+}
+
+const uint8_t* bytes_of(const at::Tensor& tensor) { return static_cast<const uint8_t*>(tensor.const_data_ptr()); }
+
+} // namespace
+
+int row_owner(int64_t id, int num_servers) {
+  return static_cast<int>(mix(static_cast<uint64_t>(id)) % static_cast<uint64_t>(num_servers));
+}
+
+Client::Client(c10::intrusive_ptr<c10d::ProcessGroup> group, int worker_index, std::vector<int> server_ranks,
+               std::chrono::milliseconds timeout)
+    : group_(std::move(group)),
+      worker_index_(worker_index),
+      server_ranks_(std::move(server_ranks)),
+      timeout_(timeout),
+      server_failures_(server_ranks_.size()),
+      server_done_(server_ranks_.size(), false) {
+  for (int s = 0; s < num_servers(); ++s) {
+    channels_.push_back(std::make_unique<Channel>(
+        group_, server_ranks_[s], kRequestTag, kReplyTag,
+        [this, s](Message&& message) { return receive(s, std::move(message)); },
+        [this, s](const std::string& reason) { server_failed(s, reason); }));
+  }
+  watchdog_ = std::thread([this] { watch_deadlines(); });
+}
+
+Client::~Client() {
+  try {
+    finish();
+  } catch (const std::exception& error) {
+    LOG(WARNING) << "torchpar.ps worker " << worker_index_ << ": finishing failed: " << error.what();
+  }
+}
+
+std::string Client::server_name(int server) const {
+  return "parameter server " + std::to_string(server) + " (rank " + std::to_string(server_ranks_[server]) + ")";
+}
+
+int64_t Client::send_request(int server, MessageKind kind, std::vector<uint8_t> payload, std::string what,
+                             std::function<void(const Message&)> on_reply,
+                             std::function<void(const std::string&)> on_error) {
+  const int64_t id = next_request_++;
+  std::string refusal;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_) {
+      refusal = "torchpar.ps: " + what + " after this worker finished";
+    } else if (!server_failures_[server].empty()) {
+      refusal = "torchpar.ps: " + what + ": " + server_name(server) + " failed earlier: " + server_failures_[server];
+    } else {
+      pending_.emplace(id, Pending{server, what, std::chrono::steady_clock::now(), std::move(on_reply), on_error});
+    }
+  }
+  if (!refusal.empty()) {
+    on_error(refusal);
+    return id;
+  }
+  channels_[server]->send(make_message(kind, id, std::move(payload)));
+  return id;
+}
+
+bool Client::receive(int server, Message&& message) {
+  if (message.frame.kind == MessageKind::Bye) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      server_done_[server] = true;
+    }
+    done_.notify_all();
+    return false;
+  }
+  Pending pending;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = pending_.find(message.frame.request_id);
+    if (it == pending_.end()) {
+      return true; // answered after its deadline: its future already failed
+    }
+    pending = std::move(it->second);
+    pending_.erase(it);
+  }
+  const auto* bytes = message.payload.defined() ? message.payload.data_ptr<uint8_t>() : nullptr;
+  if (message.frame.kind == MessageKind::Error) {
+    std::string reason = "torchpar.ps: " + server_name(server) + " refused " + pending.what;
+    try {
+      WireReader reader(bytes, static_cast<size_t>(message.frame.payload_bytes));
+      reason = reader.get_string("error");
+    } catch (const std::exception&) {
+    }
+    pending.on_error(reason);
+    return true;
+  }
+  try {
+    pending.on_reply(message);
+  } catch (const std::exception& error) {
+    pending.on_error("torchpar.ps: the reply of " + server_name(server) + " to " + pending.what +
+                     " is malformed: " + error.what());
+  }
+  return true;
+}
+
+void Client::server_failed(int server, const std::string& reason) {
+  std::vector<Pending> failed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    server_failures_[server] = reason;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second.server == server) {
+        failed.push_back(std::move(it->second));
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  done_.notify_all();
+  for (auto& pending : failed) {
+    pending.on_error("torchpar.ps: " + server_name(server) + " failed during " + pending.what + ": " + reason);
+  }
+}
+
+void Client::watch_deadlines() {
+  const auto period = std::clamp(timeout_ / 10, std::chrono::milliseconds(10), std::chrono::milliseconds(500));
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stopping_) {
+    stop_watch_.wait_for(lock, period, [&] { return stopping_; });
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<Pending> expired;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (now - it->second.sent > timeout_) {
+        expired.push_back(std::move(it->second));
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    lock.unlock();
+    for (auto& pending : expired) {
+      pending.on_error("torchpar.ps: " + server_name(pending.server) + " did not answer " + pending.what +
+                       " within the timeout (" + std::to_string(timeout_.count()) + " ms)");
+    }
+    lock.lock();
+  }
+}
+
+std::vector<Message> Client::request_all(const std::vector<int>& servers, MessageKind kind,
+                                         const std::vector<std::vector<uint8_t>>& payloads, const std::string& what) {
+  struct State {
+    std::mutex mutex;
+    std::condition_variable done;
+    int remaining;
+    std::vector<Message> replies;
+    std::string error;
+  };
+  auto state = std::make_shared<State>();
+  state->remaining = static_cast<int>(servers.size());
+  state->replies.resize(servers.size());
+  for (size_t i = 0; i < servers.size(); ++i) {
+    send_request(
+        servers[i], kind, payloads[i], what,
+        [state, i](const Message& reply) {
+          std::lock_guard<std::mutex> lock(state->mutex);
+          state->replies[i] = reply;
+          if (--state->remaining == 0) state->done.notify_all();
+        },
+        [state](const std::string& reason) {
+          std::lock_guard<std::mutex> lock(state->mutex);
+          if (state->error.empty()) state->error = reason;
+          if (--state->remaining == 0) state->done.notify_all();
+        });
+  }
+  std::unique_lock<std::mutex> lock(state->mutex);
+  state->done.wait(lock, [&] { return state->remaining == 0; });
+  TORCH_CHECK(state->error.empty(), state->error);
+  return state->replies;
+}
+
+int Client::dense_table(const std::string& name, const at::Tensor& initial, const OptimizerConfig& optimizer) {
+  TORCH_CHECK(initial.defined() && initial.numel() > 0, "torchpar.ps: dense table '", name, "' needs initial values");
+  ClientTable table;
+  table.name = name;
+  table.dtype = initial.scalar_type();
+  dtype_code(table.dtype);
+  table.shape = initial.sizes().vec();
+  table.numel = initial.numel();
+  const auto flat = initial.detach().contiguous().view(-1).cpu();
+  std::vector<int> servers;
+  std::vector<std::vector<uint8_t>> payloads;
+  for (int s = 0; s < num_servers(); ++s) {
+    table.shard_begin.push_back(table.numel * s / num_servers());
+    table.shard_end.push_back(table.numel * (s + 1) / num_servers());
+    if (table.shard_end[s] > table.shard_begin[s]) {
+      DenseRegistration registration;
+      registration.name = name;
+      registration.dtype = table.dtype;
+      registration.shape = table.shape;
+      registration.shard_begin = table.shard_begin[s];
+      registration.shard_end = table.shard_end[s];
+      registration.optimizer = optimizer;
+      registration.initial = bytes_of(flat) + table.shard_begin[s] * flat.element_size();
+      WireWriter writer;
+      encode_registration(writer, registration);
+      servers.push_back(s);
+      payloads.push_back(writer.release());
+    }
+  }
+  const auto replies = request_all(servers, MessageKind::RegisterDense, payloads, "registering table '" + name + "'");
+  table.server_table.assign(num_servers(), -1);
+  table.clocks.assign(num_servers(), 0);
+  for (size_t i = 0; i < servers.size(); ++i) {
+    const auto& reply = replies[i];
+    const auto registered = decode_registered(reply.payload.defined() ? reply.payload.data_ptr<uint8_t>() : nullptr,
+                                              static_cast<size_t>(reply.frame.payload_bytes));
+    table.server_table[servers[i]] = registered.table;
+    table.clocks[servers[i]] = registered.clock;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  tables_.push_back(std::move(table));
+  return static_cast<int>(tables_.size()) - 1;
+}
+
+int Client::sparse_table(const std::string& name, int64_t num_rows, int64_t dim, const OptimizerConfig& optimizer,
+                         const RowInitializer& initializer, c10::ScalarType dtype) {
+  ClientTable table;
+  table.name = name;
+  table.sparse = true;
+  table.dtype = dtype;
+  table.num_rows = num_rows;
+  table.dim = dim;
+  SparseRegistration registration{name, dtype, num_rows, dim, initializer, optimizer};
+  WireWriter writer;
+  encode_registration(writer, registration);
+  const auto payload = writer.release();
+  std::vector<int> servers;
+  for (int s = 0; s < num_servers(); ++s) servers.push_back(s);
+  const auto replies = request_all(servers, MessageKind::RegisterSparse,
+                                   std::vector<std::vector<uint8_t>>(servers.size(), payload),
+                                   "registering sparse table '" + name + "'");
+  table.server_table.assign(num_servers(), -1);
+  table.clocks.assign(num_servers(), 0);
+  for (int s = 0; s < num_servers(); ++s) {
+    const auto registered = decode_registered(
+        replies[s].payload.defined() ? replies[s].payload.data_ptr<uint8_t>() : nullptr,
+        static_cast<size_t>(replies[s].frame.payload_bytes));
+    table.server_table[s] = registered.table;
+    table.clocks[s] = registered.clock;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  tables_.push_back(std::move(table));
+  return static_cast<int>(tables_.size()) - 1;
+}
+
+const ClientTable& Client::checked_table(int table, bool sparse, const char* operation) const {
+  TORCH_CHECK(table >= 0 && table < static_cast<int>(tables_.size()), "torchpar.ps: ", operation,
+              ": no table with handle ", table, " (", tables_.size(), " registered)");
+  const auto& t = tables_[table];
+  TORCH_CHECK(t.sparse == sparse, "torchpar.ps: ", operation, ": table '", t.name, "' is ",
+              t.sparse ? "sparse (use pull_rows / push_rows)" : "dense (use pull / push)");
+  return t;
+}
+
+const ClientTable& Client::table(int table) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(table >= 0 && table < static_cast<int>(tables_.size()), "torchpar.ps: no table with handle ", table);
+  return tables_[table];
+}
+
+int64_t Client::clock(int table) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(table >= 0 && table < static_cast<int>(tables_.size()), "torchpar.ps: no table with handle ", table);
+  const auto& t = tables_[table];
+  int64_t clock = std::numeric_limits<int64_t>::max();
+  for (int s = 0; s < num_servers(); ++s) {
+    if (t.server_table[s] >= 0) clock = std::min(clock, t.clocks[s]);
+  }
+  return clock;
+}
+
+Future Client::pull(const std::vector<int>& tables) { return dense_operation(MessageKind::Pull, tables, {}); }
+
+Future Client::push(const std::vector<int>& tables, const std::vector<at::Tensor>& grads) {
+  return dense_operation(MessageKind::Push, tables, grads);
+}
+
+Future Client::push_pull(const std::vector<int>& tables, const std::vector<at::Tensor>& grads) {
+  return dense_operation(MessageKind::PushPull, tables, grads);
+}
+
+Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables, const std::vector<at::Tensor>& grads) {
+  const bool pushing = kind != MessageKind::Pull;
+  const bool reading = kind != MessageKind::Push;
+  const char* operation = kind_name(kind);
+  std::vector<at::Tensor> flat_grads;
+  std::vector<at::Tensor> outputs;
+  std::string what = std::string(operation) + " of";
+  std::unique_lock<std::mutex> lock(mutex_);
+  TORCH_CHECK(!pushing || grads.size() == tables.size(), "torchpar.ps: ", operation, " of ", tables.size(),
+              " tables with ", grads.size(), " gradients");
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const auto& t = checked_table(tables[i], false, operation);
+    what += (i ? ", '" : " '") + t.name + "'";
+    if (pushing) {
+      const auto& grad = grads[i];
+      TORCH_CHECK(grad.defined() && grad.numel() == t.numel, "torchpar.ps: ", operation, " to table '", t.name,
+                  "' (shape ", t.shape, "): a gradient of shape ",
+                  grad.defined() ? c10::str(grad.sizes()) : std::string("undefined"));
+      TORCH_CHECK(grad.scalar_type() == t.dtype, "torchpar.ps: ", operation, " to table '", t.name,
+                  "': gradient dtype ", c10::toString(grad.scalar_type()), ", the table holds ",
+                  c10::toString(t.dtype));
+      flat_grads.push_back(grad.detach().contiguous().view(-1).cpu());
+    }
+    if (reading) outputs.push_back(at::empty(t.shape, at::TensorOptions().dtype(t.dtype)));
+  }
+  auto gather = std::make_shared<Gather>(reading ? c10::TypePtr(c10::ListType::ofTensors())
+                                                 : c10::TypePtr(c10::NoneType::get()));
+  gather->result = [outputs]() -> c10::IValue {
+    if (outputs.empty()) return c10::IValue();
+    return c10::IValue(c10::List<at::Tensor>(outputs));
+  };
+  struct Part {
+    int server;
+    std::vector<uint8_t> payload;
+    std::vector<std::array<int64_t, 3>> reads; // table position, shard begin, shard length
+  };
+  std::vector<Part> parts;
+  for (int s = 0; s < num_servers(); ++s) {
+    std::vector<DenseItem> items;
+    Part part{s, {}, {}};
+    for (size_t i = 0; i < tables.size(); ++i) {
+      auto& t = tables_[tables[i]];
+      if (t.server_table[s] < 0) continue;
+      const int64_t begin = t.shard_begin[s];
+      const int64_t n = t.shard_end[s] - begin;
+      DenseItem item{static_cast<uint32_t>(t.server_table[s]), t.clocks[s], t.dtype, n, nullptr};
+      if (pushing) {
+        item.data = bytes_of(flat_grads[i]) + begin * flat_grads[i].element_size();
+        t.clocks[s] += 1;
+      }
+      items.push_back(item);
+      part.reads.push_back({static_cast<int64_t>(i), begin, n});
+    }
+    if (items.empty()) continue;
+    WireWriter writer;
+    encode_dense_items(writer, items, pushing);
+    part.payload = writer.release();
+    parts.push_back(std::move(part));
+  }
+  gather->remaining = static_cast<int>(parts.size());
+  lock.unlock();
+  gather->start_if_empty();
+  for (auto& part : parts) {
+    auto reads = part.reads;
+    send_request(
+        part.server, kind, std::move(part.payload), what,
+        [gather, outputs, reads, reading](const Message& reply) {
+          if (reading) {
+            WireReader reader(reply.payload.defined() ? reply.payload.data_ptr<uint8_t>() : nullptr,
+                              static_cast<size_t>(reply.frame.payload_bytes));
+            for (const auto& [index, begin, n] : reads) {
+              auto& output = outputs[index];
+              const size_t bytes = n * output.element_size();
+              std::memcpy(static_cast<uint8_t*>(output.data_ptr()) + begin * output.element_size(),
+                          reader.get_data(bytes, "values"), bytes);
+            }
+            reader.expect_end();
+          }
+          gather->part_done();
+        },
+        [gather](const std::string& reason) { gather->fail(reason); });
+  }
+  return gather->future;
+}
+
+Future Client::pull_rows(const std::vector<int>& tables, const std::vector<at::Tensor>& ids) {
+  return rows_operation(MessageKind::PullRows, tables, ids, {});
+}
+
+Future Client::push_rows(const std::vector<int>& tables, const std::vector<at::Tensor>& ids,
+                         const std::vector<at::Tensor>& grads) {
+  return rows_operation(MessageKind::PushRows, tables, ids, grads);
+}
+
+Future Client::rows_operation(MessageKind kind, const std::vector<int>& tables, const std::vector<at::Tensor>& ids,
+                              const std::vector<at::Tensor>& grads) {
+  const bool pushing = kind == MessageKind::PushRows;
+  const char* operation = kind_name(kind);
+  TORCH_CHECK(ids.size() == tables.size() && (!pushing || grads.size() == tables.size()), "torchpar.ps: ",
+              operation, " of ", tables.size(), " tables with ", ids.size(), " id tensors",
+              pushing ? " and " + std::to_string(grads.size()) + " gradients" : std::string());
+  std::string what = std::string(operation) + " of";
+  std::vector<DistinctIds> distinct;
+  std::vector<at::Tensor> unique_rows;   // pull: [distinct, dim], filled by the replies
+  std::vector<at::Tensor> summed_grads;  // push: [distinct, dim]
+  std::vector<std::vector<int64_t>> shapes;
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const auto& t = checked_table(tables[i], true, operation);
+    what += (i ? ", '" : " '") + t.name + "'";
+    TORCH_CHECK(ids[i].defined() && ids[i].scalar_type() == at::kLong, "torchpar.ps: ", operation, " of table '",
+                t.name, "': ids must be int64, not ",
+                ids[i].defined() ? c10::toString(ids[i].scalar_type()) : "undefined");
+    auto cpu_ids = ids[i].cpu();
+    distinct.push_back(distinct_ids(cpu_ids));
+    for (int64_t id : distinct.back().ids) {
+      TORCH_CHECK(id >= 0 && id < t.num_rows, "torchpar.ps: ", operation, " of table '", t.name, "': row id ", id,
+                  " is out of range [0, ", t.num_rows, ")");
+    }
+    auto shape = ids[i].sizes().vec();
+    shape.push_back(t.dim);
+    shapes.push_back(shape);
+    const int64_t count = static_cast<int64_t>(distinct.back().ids.size());
+    if (pushing) {
+      const auto& grad = grads[i];
+      TORCH_CHECK(grad.defined() && grad.sizes().vec() == shape, "torchpar.ps: ", operation, " to table '", t.name,
+                  "': gradients of shape ", grad.defined() ? c10::str(grad.sizes()) : std::string("undefined"),
+                  " for ids of shape ", ids[i].sizes(), " (expected ", c10::IntArrayRef(shape), ")");
+      TORCH_CHECK(grad.scalar_type() == t.dtype, "torchpar.ps: ", operation, " to table '", t.name,
+                  "': gradient dtype ", c10::toString(grad.scalar_type()), ", the table holds ",
+                  c10::toString(t.dtype));
+      auto summed = at::zeros({count, t.dim}, grad.options().device(at::kCPU));
+      summed.index_add_(0, distinct.back().inverse, grad.detach().cpu().reshape({-1, t.dim}));
+      summed_grads.push_back(summed);
+    } else {
+      unique_rows.push_back(at::empty({count, t.dim}, at::TensorOptions().dtype(t.dtype)));
+    }
+  }
+  auto gather = std::make_shared<Gather>(pushing ? c10::TypePtr(c10::NoneType::get())
+                                                 : c10::TypePtr(c10::ListType::ofTensors()));
+  gather->result = [unique_rows, distinct, shapes]() -> c10::IValue {
+    if (unique_rows.empty()) return c10::IValue();
+    c10::List<at::Tensor> rows;
+    for (size_t i = 0; i < unique_rows.size(); ++i) {
+      rows.push_back(unique_rows[i].index_select(0, distinct[i].inverse).view(shapes[i]));
+    }
+    return c10::IValue(rows);
+  };
+  struct Part {
+    int server;
+    std::vector<uint8_t> payload;
+    std::vector<std::pair<size_t, std::vector<int64_t>>> reads; // table position, positions among distinct ids
+  };
+  std::vector<Part> parts;
+  for (int s = 0; s < num_servers(); ++s) {
+    Part part{s, {}, {}};
+    std::vector<RowsItem> items;
+    std::vector<std::vector<int64_t>> item_ids;
+    std::vector<at::Tensor> item_grads;
+    for (size_t i = 0; i < tables.size(); ++i) {
+      auto& t = tables_[tables[i]];
+      std::vector<int64_t> positions;
+      std::vector<int64_t> owned;
+      for (size_t p = 0; p < distinct[i].ids.size(); ++p) {
+        if (row_owner(distinct[i].ids[p], num_servers()) == s) {
+          positions.push_back(static_cast<int64_t>(p));
+          owned.push_back(distinct[i].ids[p]);
+        }
+      }
+      // A push reaches every server, empty or not: each counts this worker's clock.
+      if (owned.empty() && !pushing) continue;
+      RowsItem item{static_cast<uint32_t>(t.server_table[s]), t.clocks[s], t.dtype,
+                    static_cast<int64_t>(owned.size()), t.dim, nullptr, nullptr};
+      if (pushing) {
+        item_grads.push_back(summed_grads[i]
+                                 .index_select(0, at::from_blob(positions.data(), {item.count}, at::kLong))
+                                 .contiguous());
+        t.clocks[s] += 1;
+      }
+      item_ids.push_back(std::move(owned));
+      items.push_back(item);
+      part.reads.emplace_back(i, std::move(positions));
+    }
+    if (items.empty()) continue;
+    for (size_t k = 0; k < items.size(); ++k) {
+      items[k].ids = item_ids[k].data();
+      if (pushing) items[k].data = bytes_of(item_grads[k]);
+    }
+    WireWriter writer;
+    encode_rows_items(writer, items, pushing);
+    part.payload = writer.release();
+    parts.push_back(std::move(part));
+  }
+  gather->remaining = static_cast<int>(parts.size());
+  lock.unlock();
+  gather->start_if_empty();
+  for (auto& part : parts) {
+    auto reads = std::move(part.reads);
+    send_request(
+        part.server, kind, std::move(part.payload), what,
+        [gather, unique_rows, reads, pushing](const Message& reply) {
+          if (!pushing) {
+            WireReader reader(reply.payload.defined() ? reply.payload.data_ptr<uint8_t>() : nullptr,
+                              static_cast<size_t>(reply.frame.payload_bytes));
+            for (const auto& [index, positions] : reads) {
+              const auto& rows = unique_rows[index];
+              const int64_t count = static_cast<int64_t>(positions.size());
+              const size_t bytes = count * rows.size(1) * rows.element_size();
+              auto received = at::from_blob(const_cast<uint8_t*>(reader.get_data(bytes, "rows")),
+                                            {count, rows.size(1)}, rows.options());
+              rows.index_copy_(0, at::from_blob(const_cast<int64_t*>(positions.data()), {count}, at::kLong),
+                               received);
+            }
+            reader.expect_end();
+          }
+          gather->part_done();
+        },
+        [gather](const std::string& reason) { gather->fail(reason); });
+  }
+  return gather->future;
+}
+
+void Client::set_learning_rate(int table, double lr) {
+  std::vector<int> servers;
+  std::vector<std::vector<uint8_t>> payloads;
+  std::string name;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(table >= 0 && table < static_cast<int>(tables_.size()), "torchpar.ps: no table with handle ", table);
+    const auto& t = tables_[table];
+    name = t.name;
+    for (int s = 0; s < num_servers(); ++s) {
+      if (t.server_table[s] < 0) continue;
+      WireWriter writer;
+      encode_learning_rate(writer, static_cast<uint32_t>(t.server_table[s]), lr);
+      servers.push_back(s);
+      payloads.push_back(writer.release());
+    }
+  }
+  request_all(servers, MessageKind::SetLearningRate, payloads, "setting the learning rate of '" + name + "'");
+}
+
+void Client::checkpoint() {
+  std::vector<int> servers;
+  for (int s = 0; s < num_servers(); ++s) servers.push_back(s);
+  request_all(servers, MessageKind::Checkpoint, std::vector<std::vector<uint8_t>>(servers.size()), "checkpoint");
+}
+
+void Client::finish() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_) return;
+    finished_ = true;
+  }
+  for (int s = 0; s < num_servers(); ++s) {
+    channels_[s]->send(make_message(MessageKind::Finish, next_request_++, {}));
+  }
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait_for(lock, timeout_, [&] {
+      for (int s = 0; s < num_servers(); ++s) {
+        if (!server_done_[s] && server_failures_[s].empty()) return false;
+      }
+      return true;
+    });
+    stopping_ = true;
+  }
+  stop_watch_.notify_all();
+  watchdog_.join();
+  channels_.clear();
+}
+
+Future Client::send_raw(int server, int64_t kind, const at::Tensor& payload) {
+  TORCH_CHECK(server >= 0 && server < num_servers(), "torchpar.ps: no server ", server);
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+  const auto bytes = payload.contiguous().to(at::kByte);
+  std::vector<uint8_t> data(bytes.data_ptr<uint8_t>(), bytes.data_ptr<uint8_t>() + bytes.numel());
+  send_request(
+      server, static_cast<MessageKind>(kind), std::move(data), "a raw request",
+      [future](const Message& reply) {
+        future->markCompleted(reply.payload.defined() ? reply.payload.clone() : at::empty({0}, at::kByte));
+      },
+      [future](const std::string& reason) {
+        future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(reason)));
+      });
+  return future;
+}
+
+} // namespace torchpar::ps

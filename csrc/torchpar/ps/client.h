@@ -1,0 +1,114 @@
+#pragma once
+// A worker's side of the parameter service: registers tables, splits every operation over the
+// servers holding its parts (one message per server, whatever the number of tables), and returns
+// a c10::ivalue::Future completed by the replies. Requests a server leaves unanswered longer than
+// the timeout, or a server's broken connection, fail their futures with a message naming it.
+#include <torchpar/ps/channel.h>
+#include <torchpar/ps/config.h>
+
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <map>
+
+namespace torchpar::ps {
+
+using Future = c10::intrusive_ptr<c10::ivalue::Future>;
+
+struct ClientTable {
+  std::string name;
+  bool sparse = false;
+  c10::ScalarType dtype = c10::kFloat;
+  std::vector<int64_t> shape; // dense
+  int64_t numel = 0;          // dense
+  int64_t num_rows = 0;       // sparse
+  int64_t dim = 0;            // sparse
+  std::vector<int64_t> shard_begin; // dense, per server (empty shard: begin == end)
+  std::vector<int64_t> shard_end;
+  std::vector<int64_t> server_table; // the table's id on each server; -1: no part there
+  std::vector<int64_t> clocks;       // this worker's pushes, as each server counts them
+};
+
+class Client {
+ public:
+  Client(c10::intrusive_ptr<c10d::ProcessGroup> group, int worker_index, std::vector<int> server_ranks,
+         std::chrono::milliseconds timeout);
+  ~Client(); // finishes if finish() was not called
+
+  // Every worker registers the same tables in any order; worker 0's `initial` values start a dense
+  // table (the others' only fix its shape), unless the servers restored it from a checkpoint.
+  int dense_table(const std::string& name, const at::Tensor& initial, const OptimizerConfig& optimizer);
+  int sparse_table(const std::string& name, int64_t num_rows, int64_t dim, const OptimizerConfig& optimizer,
+                   const RowInitializer& initializer = {}, c10::ScalarType dtype = c10::kFloat);
+
+  // Futures of a list with one tensor per table (pulls) or of None (pushes).
+  Future pull(const std::vector<int>& tables);
+  Future push(const std::vector<int>& tables, const std::vector<at::Tensor>& grads);
+  Future push_pull(const std::vector<int>& tables, const std::vector<at::Tensor>& grads);
+  // ids: int64 of any shape; rows come back as [*ids.shape, dim]. Duplicate ids are read once and
+  // their gradients summed before they are sent.
+  Future pull_rows(const std::vector<int>& tables, const std::vector<at::Tensor>& ids);
+  Future push_rows(const std::vector<int>& tables, const std::vector<at::Tensor>& ids,
+                   const std::vector<at::Tensor>& grads);
+
+  void set_learning_rate(int table, double lr);
+  // Collective over the workers: returns once every server has written every table.
+  void checkpoint();
+  // Tells the servers this worker is done; later operations fail.
+  void finish();
+
+  // Pushes made to `table` (after a restore: counted from the checkpoint's clock).
+  int64_t clock(int table) const;
+  const ClientTable& table(int table) const;
+  int num_servers() const { return static_cast<int>(server_ranks_.size()); }
+  int worker_index() const { return worker_index_; }
+
+  // Sends `payload` unchecked as a request of `kind` to server `server`: for testing the servers'
+  // defences against malformed messages. The future holds the reply's payload bytes.
+  Future send_raw(int server, int64_t kind, const at::Tensor& payload);
+
+ private:
+  struct Pending {
+    int server;
+    std::string what;
+    std::chrono::steady_clock::time_point sent;
+    std::function<void(const Message&)> on_reply; // on the receiving thread
+    std::function<void(const std::string&)> on_error;
+  };
+
+  int64_t send_request(int server, MessageKind kind, std::vector<uint8_t> payload, std::string what,
+                       std::function<void(const Message&)> on_reply, std::function<void(const std::string&)> on_error);
+  bool receive(int server, Message&& message);
+  void server_failed(int server, const std::string& reason);
+  void watch_deadlines();
+  std::vector<Message> request_all(const std::vector<int>& servers, MessageKind kind,
+                                   const std::vector<std::vector<uint8_t>>& payloads, const std::string& what);
+  Future dense_operation(MessageKind kind, const std::vector<int>& tables, const std::vector<at::Tensor>& grads);
+  Future rows_operation(MessageKind kind, const std::vector<int>& tables, const std::vector<at::Tensor>& ids,
+                        const std::vector<at::Tensor>& grads);
+  const ClientTable& checked_table(int table, bool sparse, const char* operation) const;
+  std::string server_name(int server) const;
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int worker_index_;
+  std::vector<int> server_ranks_;
+  std::chrono::milliseconds timeout_;
+
+  mutable std::mutex mutex_;
+  std::vector<ClientTable> tables_;
+  std::map<int64_t, Pending> pending_;
+  std::vector<std::string> server_failures_; // non-empty: that server is gone
+  std::vector<bool> server_done_;
+  bool finished_ = false;
+  std::atomic<int64_t> next_request_{1};
+  std::condition_variable done_;
+  std::vector<std::unique_ptr<Channel>> channels_;
+  bool stopping_ = false;
+  std::condition_variable stop_watch_;
+  std::thread watchdog_;
+};
+
+// The server holding row `id` of a sparse table.
+int row_owner(int64_t id, int num_servers);
+
+} // namespace torchpar::ps

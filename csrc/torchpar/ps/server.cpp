@@ -1,0 +1,750 @@
+#include <torchpar/ps/server.h>
+
+#include <torchpar/ps/channel.h>
+#include <torchpar/ps/checkpoint_file.h>
+#include <torchpar/ps/dense_table.h>
+#include <torchpar/ps/messages.h>
+#include <torchpar/ps/sparse_table.h>
+
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Logging.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <limits>
+#include <list>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+namespace torchpar::ps {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string reason_of(const std::exception& error) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) {
+    return c10_error->what_without_backtrace();
+  }
+  return error.what();
+}
+
+enum class WorkerState { Active, Finished, Lost };
+
+struct Event {
+  int worker = 0;
+  Message message;
+  std::string failure; // non-empty: the worker's connection broke
+};
+
+// A request whose reads wait for other workers (BSP: the round; SSP: the slowest worker).
+struct Deferred {
+  int worker = 0;
+  int64_t id = 0;
+  Request request;
+  at::Tensor payload; // keeps the request's data alive
+};
+
+class Server {
+ public:
+  Server(c10::intrusive_ptr<c10d::ProcessGroup> group, int index, int num_servers, std::vector<int> worker_ranks,
+         ServerOptions options)
+      : group_(std::move(group)),
+        index_(index),
+        num_servers_(num_servers),
+        worker_ranks_(std::move(worker_ranks)),
+        options_(std::move(options)),
+        states_(worker_ranks_.size(), WorkerState::Active),
+        checkpoint_requests_(worker_ranks_.size(), -1) {
+    if (!options_.log) {
+      options_.log = [](bool warning, const std::string& line) {
+        if (warning) {
+          LOG(WARNING) << line;
+        } else {
+          LOG(INFO) << line;
+        }
+      };
+    }
+    if (!options_.checkpoint_dir.empty()) {
+      restore_checkpoint();
+    }
+  }
+
+  ServerSummary run();
+
+ private:
+  int num_workers() const { return static_cast<int>(worker_ranks_.size()); }
+  std::string who(int worker) const {
+    return "worker " + std::to_string(worker) + " (rank " + std::to_string(worker_ranks_[worker]) + ")";
+  }
+  std::string prefix() const { return "torchpar.ps server " + std::to_string(index_) + ": "; }
+  void info(const std::string& line) { options_.log(false, prefix() + line); }
+  void warn(const std::string& line) { options_.log(true, prefix() + line); }
+  bool any_active() const {
+    return std::any_of(states_.begin(), states_.end(), [](WorkerState s) { return s == WorkerState::Active; });
+  }
+  int active_count() const {
+    return static_cast<int>(std::count(states_.begin(), states_.end(), WorkerState::Active));
+  }
+
+  void handle(Event&& event);
+  void handle_message(int worker, Message&& message);
+  void dispatch(int worker, const Frame& frame, Request&& request, at::Tensor payload);
+  void register_dense(int worker, int64_t id, const DenseRegistration& registration);
+  void register_sparse(int worker, int64_t id, const SparseRegistration& registration);
+  void answer_registration(int worker, int64_t id, const std::string& name);
+  void check_registration(const DenseRegistration& registration);
+  void check_items(int worker, const Request& request);
+  void apply_pushes(int worker, const Request& request);
+  void contribute(int worker, Table& table, at::Tensor ids, at::Tensor grads);
+  bool readable(int worker, const Request& request);
+  void answer_reads(int worker, int64_t id, const Request& request);
+  void progress();
+  bool apply_full_rounds();
+  void finish_checkpoint_requests();
+  void lose(int worker, const std::string& reason);
+  void drop_late_workers();
+  void log_stats();
+
+  Table& table(uint32_t id);
+  int64_t slowest_clock(const Table& table) const;
+  std::vector<c10::IValue> snapshot_tables() const;
+  void write_checkpoint(const std::vector<c10::IValue>& tables, const std::string& why);
+  void take_periodic_snapshot(Table& table);
+  void restore_checkpoint();
+
+  void send(int worker, Message message);
+  void reply_ok(int worker, int64_t id, std::vector<uint8_t> payload = {});
+  void reply_error(int worker, int64_t id, const std::string& reason);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int index_;
+  int num_servers_;
+  std::vector<int> worker_ranks_;
+  ServerOptions options_;
+
+  std::vector<WorkerState> states_;
+  std::vector<std::unique_ptr<Table>> tables_;
+  std::map<std::string, uint32_t> table_ids_;
+  std::map<std::string, c10::impl::GenericDict> restored_;
+  struct WaitingRegistration {
+    int worker;
+    int64_t id;
+    DenseRegistration registration;
+  };
+  std::map<std::string, std::vector<WaitingRegistration>> waiting_registrations_; // before worker 0's
+  std::list<Deferred> deferred_;
+  std::vector<int64_t> checkpoint_requests_; // per worker: the id of its waiting request, or -1
+  std::map<int64_t, std::map<std::string, c10::IValue>> periodic_snapshots_; // BSP: clock -> table -> state
+  int64_t next_periodic_clock_ = 0;
+
+  std::mutex events_mutex_;
+  std::condition_variable events_ready_;
+  std::deque<Event> events_;
+  std::vector<std::unique_ptr<Channel>> channels_;
+
+  ServerSummary summary_;
+  int64_t requests_at_last_stats_ = 0;
+  int64_t bytes_in_at_last_stats_ = 0;
+  int64_t bytes_out_at_last_stats_ = 0;
+  Clock::time_point last_stats_ = Clock::now();
+};
+
+Table& Server::table(uint32_t id) {
+  TORCH_CHECK(id < tables_.size(), "unknown table id ", id, " (server ", index_, " holds ", tables_.size(),
+              " tables)");
+  return *tables_[id];
+}
+
+int64_t Server::slowest_clock(const Table& table) const {
+  int64_t slowest = std::numeric_limits<int64_t>::max();
+  for (int w = 0; w < num_workers(); ++w) {
+    if (states_[w] == WorkerState::Active) {
+      slowest = std::min(slowest, table.pushes[w]);
+    }
+  }
+  return slowest;
+}
+
+void Server::send(int worker, Message message) {
+  summary_.bytes_out += Frame::kFields * 8 + message.frame.payload_bytes;
+  channels_[worker]->send(std::move(message));
+}
+
+void Server::reply_ok(int worker, int64_t id, std::vector<uint8_t> payload) {
+  send(worker, make_message(MessageKind::Ok, id, std::move(payload)));
+}
+
+void Server::reply_error(int worker, int64_t id, const std::string& reason) {
+  WireWriter writer;
+  writer.put_string(reason);
+  send(worker, make_message(MessageKind::Error, id, writer.release()));
+}
+
+ServerSummary Server::run() {
+  for (int w = 0; w < num_workers(); ++w) {
+    auto enqueue = [this](Event event) {
+      {
+        std::lock_guard<std::mutex> lock(events_mutex_);
+        events_.push_back(std::move(event));
+      }
+      events_ready_.notify_one();
+    };
+    channels_.push_back(std::make_unique<Channel>(
+        group_, worker_ranks_[w], kReplyTag, kRequestTag,
+        [w, enqueue](Message&& message) {
+          const bool last = message.frame.kind == MessageKind::Finish;
+          enqueue(Event{w, std::move(message), {}});
+          return !last;
+        },
+        [w, enqueue](const std::string& reason) { enqueue(Event{w, {}, reason}); }));
+  }
+  info(std::string("serving ") + std::to_string(num_workers()) + " workers, " +
+       consistency_name(options_.consistency) +
+       (options_.consistency == Consistency::SSP ? " (staleness " + std::to_string(options_.staleness) + ")" : ""));
+  auto next_stats = Clock::now() + options_.stats_interval;
+  while (any_active()) {
+    std::deque<Event> events;
+    {
+      std::unique_lock<std::mutex> lock(events_mutex_);
+      events_ready_.wait_for(lock, std::chrono::milliseconds(100), [&] { return !events_.empty(); });
+      events.swap(events_);
+    }
+    for (auto& event : events) {
+      handle(std::move(event));
+    }
+    drop_late_workers();
+    if (Clock::now() >= next_stats) {
+      log_stats();
+      next_stats = Clock::now() + options_.stats_interval;
+    }
+  }
+  if (!options_.checkpoint_dir.empty() && !tables_.empty()) {
+    write_checkpoint(snapshot_tables(), "at the end");
+  }
+  log_stats();
+  channels_.clear(); // sends what is queued (the last replies) first
+  for (const auto& table : tables_) {
+    const auto* sparse = dynamic_cast<const SparseTable*>(table.get());
+    summary_.tables.push_back({table->name(), table->is_sparse(), sparse ? sparse->touched_rows() : 0, table->bytes()});
+  }
+  return summary_;
+}
+
+void Server::handle(Event&& event) {
+  if (!event.failure.empty()) {
+    lose(event.worker, "its connection broke: " + event.failure);
+    return;
+  }
+  handle_message(event.worker, std::move(event.message));
+}
+
+void Server::handle_message(int worker, Message&& message) {
+  const Frame frame = message.frame;
+  summary_.requests += 1;
+  summary_.bytes_in += Frame::kFields * 8 + frame.payload_bytes;
+  if (states_[worker] == WorkerState::Lost) {
+    if (frame.kind != MessageKind::Finish) {
+      reply_error(worker, frame.request_id,
+                  "torchpar.ps: " + who(worker) + " was dropped by server " + std::to_string(index_) +
+                      " (it missed a BSP round for longer than the timeout); its requests are refused");
+    }
+    return;
+  }
+  Request request;
+  try {
+    const auto* bytes = message.payload.defined() ? message.payload.data_ptr<uint8_t>() : nullptr;
+    request = decode_request(frame.kind, bytes, static_cast<size_t>(frame.payload_bytes));
+    dispatch(worker, frame, std::move(request), message.payload);
+  } catch (const std::exception& error) {
+    reply_error(worker, frame.request_id,
+                std::string("torchpar.ps server ") + std::to_string(index_) + " refused " + kind_name(frame.kind) +
+                    " request " + std::to_string(frame.request_id) + " of " + who(worker) + ": " +
+                    reason_of(error));
+    return;
+  }
+  progress();
+}
+
+void Server::dispatch(int worker, const Frame& frame, Request&& request, at::Tensor payload) {
+  const int64_t id = frame.request_id;
+  switch (frame.kind) {
+    case MessageKind::RegisterDense:
+      register_dense(worker, id, *request.dense_registration);
+      return;
+    case MessageKind::RegisterSparse:
+      register_sparse(worker, id, *request.sparse_registration);
+      return;
+    case MessageKind::SetLearningRate: {
+      TORCH_CHECK(request.lr >= 0, "learning rate ", request.lr, " is negative");
+      table(request.table).optimizer().lr = request.lr;
+      reply_ok(worker, id);
+      return;
+    }
+    case MessageKind::Checkpoint:
+      TORCH_CHECK(!options_.checkpoint_dir.empty(), "no checkpoint directory was given to the parameter service");
+      checkpoint_requests_[worker] = id;
+      return;
+    case MessageKind::Finish:
+      states_[worker] = WorkerState::Finished;
+      checkpoint_requests_[worker] = -1;
+      info(who(worker) + " finished; " + std::to_string(active_count()) + " still training");
+      send(worker, make_message(MessageKind::Bye, id, {}));
+      return;
+    default:
+      break;
+  }
+  check_items(worker, request);
+  apply_pushes(worker, request);
+  if (request.kind == MessageKind::Push || request.kind == MessageKind::PushRows) {
+    reply_ok(worker, id);
+  } else if (readable(worker, request)) {
+    answer_reads(worker, id, request);
+  } else {
+    deferred_.push_back(Deferred{worker, id, std::move(request), std::move(payload)});
+  }
+}
+
+void Server::check_items(int worker, const Request& request) {
+  std::set<uint32_t> seen;
+  const bool pushes = request.kind == MessageKind::Push || request.kind == MessageKind::PushPull ||
+                      request.kind == MessageKind::PushRows;
+  const char* verb = pushes ? "push to" : "pull from";
+  for (const auto& item : request.dense) {
+    auto& t = table(item.table);
+    TORCH_CHECK(seen.insert(item.table).second, "table '", t.name(), "' listed twice in one request");
+    TORCH_CHECK(!t.is_sparse(), verb, " table '", t.name(), "': it is sparse (use pull_rows / push_rows)");
+    const auto& dense = static_cast<const DenseTable&>(t);
+    TORCH_CHECK(item.dtype == t.dtype(), verb, " table '", t.name(), "': dtype ", c10::toString(item.dtype),
+                ", the table holds ", c10::toString(t.dtype()));
+    TORCH_CHECK(item.numel == dense.numel(), verb, " table '", t.name(), "' (shape ", dense.shape(), "; server ",
+                index_, " holds elements [", dense.shard_begin(), ", ", dense.shard_end(), ")): ", item.numel,
+                " elements, expected ", dense.numel());
+    if (pushes) {
+      TORCH_CHECK(item.clock == t.pushes[worker], "push to table '", t.name(), "' at clock ", item.clock, ": ",
+                  who(worker), " has pushed ", t.pushes[worker], " times");
+    }
+  }
+  for (const auto& item : request.rows) {
+    auto& t = table(item.table);
+    TORCH_CHECK(seen.insert(item.table).second, "table '", t.name(), "' listed twice in one request");
+    TORCH_CHECK(t.is_sparse(), verb, " table '", t.name(), "': it is dense (use pull / push)");
+    const auto& sparse = static_cast<const SparseTable&>(t);
+    TORCH_CHECK(item.dtype == t.dtype(), verb, " table '", t.name(), "': dtype ", c10::toString(item.dtype),
+                ", the table holds ", c10::toString(t.dtype()));
+    TORCH_CHECK(item.dim == sparse.dim(), verb, " table '", t.name(), "': rows of ", item.dim,
+                " values, the table's rows have ", sparse.dim());
+    for (int64_t i = 0; i < item.count; ++i) {
+      TORCH_CHECK(item.ids[i] >= 0 && item.ids[i] < sparse.num_rows(), verb, " table '", t.name(), "': row id ",
+                  item.ids[i], " is out of range [0, ", sparse.num_rows(), ")");
+    }
+    if (pushes) {
+      TORCH_CHECK(item.clock == t.pushes[worker], "push to table '", t.name(), "' at clock ", item.clock, ": ",
+                  who(worker), " has pushed ", t.pushes[worker], " times");
+    }
+  }
+}
+
+void Server::apply_pushes(int worker, const Request& request) {
+  if (request.kind == MessageKind::Push || request.kind == MessageKind::PushPull) {
+    for (const auto& item : request.dense) {
+      auto grads = at::from_blob(const_cast<uint8_t*>(item.data), {item.numel}, item.dtype).clone();
+      contribute(worker, table(item.table), at::Tensor(), std::move(grads));
+    }
+  } else if (request.kind == MessageKind::PushRows) {
+    for (const auto& item : request.rows) {
+      auto ids = at::from_blob(const_cast<int64_t*>(item.ids), {item.count}, at::kLong).clone();
+      auto grads = at::from_blob(const_cast<uint8_t*>(item.data), {item.count, item.dim}, item.dtype).clone();
+      contribute(worker, table(item.table), std::move(ids), std::move(grads));
+    }
+  }
+}
+
+void Server::contribute(int worker, Table& table, at::Tensor ids, at::Tensor grads) {
+  const int64_t clock = table.pushes[worker]++;
+  if (options_.consistency != Consistency::BSP) {
+    if (grads.numel() > 0) {
+      table.apply_mean({ids}, {grads});
+    }
+    return;
+  }
+  auto& round = table.rounds[clock];
+  if (round.contributions.empty()) {
+    round.contributions.resize(num_workers());
+    round.opened = Clock::now();
+  }
+  round.contributions[worker] = std::make_pair(std::move(ids), std::move(grads));
+  round.count += 1;
+}
+
+bool Server::readable(int worker, const Request& request) {
+  auto ready = [&](const Table& t, int64_t clock) {
+    switch (options_.consistency) {
+      case Consistency::ASP: return true;
+      case Consistency::BSP: return t.applied >= clock;
+      case Consistency::SSP: return clock - slowest_clock(t) <= options_.staleness;
+    }
+    return true;
+  };
+  const int64_t ahead = request.kind == MessageKind::PushPull ? 1 : 0;
+  for (const auto& item : request.dense) {
+    if (!ready(*tables_[item.table], item.clock + ahead)) return false;
+  }
+  for (const auto& item : request.rows) {
+    if (!ready(*tables_[item.table], item.clock)) return false;
+  }
+  return true;
+}
+
+void Server::answer_reads(int worker, int64_t id, const Request& request) {
+  WireWriter writer;
+  const int64_t ahead = request.kind == MessageKind::PushPull ? 1 : 0;
+  for (const auto& item : request.dense) {
+    const auto& t = static_cast<const DenseTable&>(*tables_[item.table]);
+    const int64_t slowest = slowest_clock(t);
+    if (slowest != std::numeric_limits<int64_t>::max()) {
+      summary_.max_staleness = std::max(summary_.max_staleness, item.clock + ahead - slowest);
+    }
+    writer.put_data(t.values().const_data_ptr(), t.values().nbytes());
+  }
+  for (const auto& item : request.rows) {
+    auto& t = static_cast<SparseTable&>(*tables_[item.table]);
+    const int64_t slowest = slowest_clock(t);
+    if (slowest != std::numeric_limits<int64_t>::max()) {
+      summary_.max_staleness = std::max(summary_.max_staleness, item.clock - slowest);
+    }
+    const auto rows = t.read_rows(item.ids, item.count);
+    writer.put_data(rows.const_data_ptr(), rows.nbytes());
+  }
+  reply_ok(worker, id, writer.release());
+}
+
+bool Server::apply_full_rounds() {
+  bool applied = false;
+  for (auto& table : tables_) {
+    while (!table->rounds.empty() && table->rounds.begin()->first == table->applied) {
+      auto& round = table->rounds.begin()->second;
+      for (int w = 0; w < num_workers(); ++w) {
+        if (states_[w] == WorkerState::Active && !round.contributions[w]) {
+          return applied;
+        }
+      }
+      std::vector<at::Tensor> ids;
+      std::vector<at::Tensor> grads;
+      for (auto& contribution : round.contributions) {
+        if (contribution) {
+          ids.push_back(contribution->first);
+          grads.push_back(contribution->second);
+        }
+      }
+      table->apply_mean(ids, grads);
+      table->rounds.erase(table->rounds.begin());
+      table->applied += 1;
+      applied = true;
+      if (options_.checkpoint_every > 0 && table->applied % options_.checkpoint_every == 0 &&
+          !options_.checkpoint_dir.empty()) {
+        take_periodic_snapshot(*table);
+      }
+    }
+  }
+  return applied;
+}
+
+void Server::progress() {
+  if (options_.consistency == Consistency::BSP) {
+    while (apply_full_rounds()) {
+    }
+  } else if (options_.checkpoint_every > 0 && !options_.checkpoint_dir.empty() && !tables_.empty() &&
+             any_active()) {
+    int64_t clock = std::numeric_limits<int64_t>::max();
+    for (const auto& table : tables_) {
+      clock = std::min(clock, slowest_clock(*table));
+    }
+    if (clock >= next_periodic_clock_ + options_.checkpoint_every) {
+      write_checkpoint(snapshot_tables(), "at clock " + std::to_string(clock));
+      next_periodic_clock_ = clock / options_.checkpoint_every * options_.checkpoint_every;
+    }
+  }
+  for (auto it = deferred_.begin(); it != deferred_.end();) {
+    if (states_[it->worker] != WorkerState::Active) {
+      it = deferred_.erase(it);
+    } else if (readable(it->worker, it->request)) {
+      answer_reads(it->worker, it->id, it->request);
+      it = deferred_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  finish_checkpoint_requests();
+}
+
+void Server::finish_checkpoint_requests() {
+  bool all = active_count() > 0;
+  for (int w = 0; w < num_workers(); ++w) {
+    if (states_[w] == WorkerState::Active && checkpoint_requests_[w] < 0) {
+      all = false;
+    }
+  }
+  if (!all) {
+    return;
+  }
+  std::string failure;
+  try {
+    write_checkpoint(snapshot_tables(), "on request");
+  } catch (const std::exception& error) {
+    failure = reason_of(error);
+  }
+  for (int w = 0; w < num_workers(); ++w) {
+    if (checkpoint_requests_[w] >= 0) {
+      if (failure.empty()) {
+        reply_ok(w, checkpoint_requests_[w]);
+      } else {
+        reply_error(w, checkpoint_requests_[w], failure);
+      }
+      checkpoint_requests_[w] = -1;
+    }
+  }
+}
+
+void Server::lose(int worker, const std::string& reason) {
+  if (states_[worker] != WorkerState::Active) {
+    return;
+  }
+  states_[worker] = WorkerState::Lost;
+  checkpoint_requests_[worker] = -1;
+  summary_.lost_workers.push_back(worker);
+  warn(who(worker) + " lost: " + reason + "; continuing with " + std::to_string(active_count()) + " workers");
+  progress();
+}
+
+void Server::drop_late_workers() {
+  if (options_.consistency != Consistency::BSP) {
+    return;
+  }
+  const auto now = Clock::now();
+  for (const auto& table : tables_) {
+    if (table->rounds.empty() || table->rounds.begin()->first != table->applied) {
+      continue;
+    }
+    const auto& round = table->rounds.begin()->second;
+    if (now - round.opened < options_.timeout) {
+      continue;
+    }
+    for (int w = 0; w < num_workers(); ++w) {
+      if (states_[w] == WorkerState::Active && !round.contributions[w]) {
+        lose(w, "it did not push clock " + std::to_string(table->applied) + " of table '" + table->name() +
+                    "' within the timeout (" + std::to_string(options_.timeout.count()) + " ms)");
+      }
+    }
+  }
+}
+
+void Server::register_dense(int worker, int64_t id, const DenseRegistration& registration) {
+  auto existing = table_ids_.find(registration.name);
+  if (existing == table_ids_.end() && worker != 0 && !restored_.count(registration.name)) {
+    // Worker 0's values start the table; the others' registrations wait for them.
+    DenseRegistration waiting = registration;
+    waiting.initial = nullptr;
+    waiting_registrations_[registration.name].push_back({worker, id, std::move(waiting)});
+    return;
+  }
+  if (existing == table_ids_.end()) {
+    const int64_t numel = registration.shard_end - registration.shard_begin;
+    auto initial = at::from_blob(const_cast<uint8_t*>(registration.initial), {numel}, registration.dtype).clone();
+    auto table = std::make_unique<DenseTable>(registration.name, registration.shape, registration.shard_begin,
+                                              registration.shard_end, std::move(initial), registration.optimizer,
+                                              num_workers());
+    bool restored = false;
+    if (auto saved = restored_.find(registration.name); saved != restored_.end()) {
+      table->restore(saved->second);
+      restored = true;
+    }
+    table_ids_[registration.name] = static_cast<uint32_t>(tables_.size());
+    tables_.push_back(std::move(table));
+    info("table '" + registration.name + "' (dense, " + registration.optimizer.describe() + ") " +
+         (restored ? "restored from the checkpoint" : "created"));
+  }
+  check_registration(registration);
+  answer_registration(worker, id, registration.name);
+  auto waiting = waiting_registrations_.find(registration.name);
+  if (waiting != waiting_registrations_.end()) {
+    auto waiters = std::move(waiting->second);
+    waiting_registrations_.erase(waiting);
+    for (const auto& waiter : waiters) {
+      try {
+        check_registration(waiter.registration);
+        answer_registration(waiter.worker, waiter.id, registration.name);
+      } catch (const std::exception& error) {
+        reply_error(waiter.worker, waiter.id, "torchpar.ps server " + std::to_string(index_) + ": " + reason_of(error));
+      }
+    }
+  }
+}
+
+void Server::check_registration(const DenseRegistration& registration) {
+  const auto& t = *tables_[table_ids_.at(registration.name)];
+  TORCH_CHECK(!t.is_sparse(), "table '", registration.name, "' is already registered as a sparse table");
+  const auto& dense = static_cast<const DenseTable&>(t);
+  TORCH_CHECK(dense.shape() == registration.shape && dense.dtype() == registration.dtype &&
+                  dense.shard_begin() == registration.shard_begin && dense.shard_end() == registration.shard_end,
+              "table '", registration.name, "' registered as ", c10::toString(registration.dtype),
+              registration.shape, " (shard [", registration.shard_begin, ", ", registration.shard_end,
+              ")), but it is ", c10::toString(dense.dtype()), dense.shape(), " (shard [", dense.shard_begin(), ", ",
+              dense.shard_end(), "))");
+  TORCH_CHECK(t.optimizer().kind == registration.optimizer.kind, "table '", registration.name,
+              "' registered with optimizer ", registration.optimizer.describe(), ", but it has ",
+              t.optimizer().describe());
+}
+
+void Server::register_sparse(int worker, int64_t id, const SparseRegistration& registration) {
+  auto existing = table_ids_.find(registration.name);
+  if (existing == table_ids_.end()) {
+    auto table = std::make_unique<SparseTable>(registration.name, registration.dtype, registration.num_rows,
+                                               registration.dim, registration.initializer, registration.optimizer,
+                                               num_workers());
+    bool restored = false;
+    if (auto saved = restored_.find(registration.name); saved != restored_.end()) {
+      table->restore(saved->second);
+      restored = true;
+    }
+    table_ids_[registration.name] = static_cast<uint32_t>(tables_.size());
+    tables_.push_back(std::move(table));
+    info("table '" + registration.name + "' (sparse, " + std::to_string(registration.num_rows) + " rows of " +
+         std::to_string(registration.dim) + ", " + registration.optimizer.describe() + ") " +
+         (restored ? "restored from the checkpoint" : "created"));
+  }
+  const auto& t = *tables_[table_ids_.at(registration.name)];
+  TORCH_CHECK(t.is_sparse(), "table '", registration.name, "' is already registered as a dense table");
+  const auto& sparse = static_cast<const SparseTable&>(t);
+  TORCH_CHECK(sparse.num_rows() == registration.num_rows && sparse.dim() == registration.dim &&
+                  sparse.dtype() == registration.dtype,
+              "sparse table '", registration.name, "' registered with ", registration.num_rows, " rows of ",
+              registration.dim, " ", c10::toString(registration.dtype), ", but it has ", sparse.num_rows(),
+              " rows of ", sparse.dim(), " ", c10::toString(sparse.dtype()));
+  TORCH_CHECK(t.optimizer().kind == registration.optimizer.kind, "sparse table '", registration.name,
+              "' registered with optimizer ", registration.optimizer.describe(), ", but it has another");
+  answer_registration(worker, id, registration.name);
+}
+
+void Server::answer_registration(int worker, int64_t id, const std::string& name) {
+  const uint32_t table = table_ids_.at(name);
+  WireWriter writer;
+  encode_registered(writer, Registered{table, tables_[table]->pushes[worker], restored_.count(name) > 0});
+  reply_ok(worker, id, writer.release());
+}
+
+std::vector<c10::IValue> Server::snapshot_tables() const {
+  std::vector<c10::IValue> tables;
+  for (const auto& table : tables_) {
+    tables.emplace_back(table->snapshot());
+  }
+  return tables;
+}
+
+void Server::take_periodic_snapshot(Table& table) {
+  // The table as of this round: every worker's clock is the round's, whatever some already pushed
+  // for the next one (those pushes are made again after a restart).
+  auto state = table.snapshot();
+  state.insert_or_assign("pushes", c10::IValue(std::vector<int64_t>(num_workers(), table.applied)));
+  auto& snapshots = periodic_snapshots_[table.applied];
+  snapshots[table.name()] = state;
+  if (snapshots.size() == tables_.size()) {
+    std::vector<c10::IValue> tables;
+    for (const auto& t : tables_) {
+      tables.push_back(snapshots.at(t->name()));
+    }
+    const int64_t clock = table.applied;
+    periodic_snapshots_.erase(periodic_snapshots_.begin(), periodic_snapshots_.upper_bound(clock));
+    write_checkpoint(tables, "at clock " + std::to_string(clock));
+  }
+}
+
+void Server::write_checkpoint(const std::vector<c10::IValue>& tables, const std::string& why) {
+  c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
+  state.insert("format", "torchpar.ps");
+  state.insert("version", kWireVersion);
+  state.insert("server", index_);
+  state.insert("servers", num_servers_);
+  state.insert("workers", num_workers());
+  state.insert("consistency", consistency_name(options_.consistency));
+  c10::impl::GenericList list(c10::AnyType::get());
+  for (const auto& table : tables) {
+    list.push_back(table);
+  }
+  state.insert("tables", list);
+  const auto path = checkpoint_path(options_.checkpoint_dir, index_, num_servers_);
+  write_checkpoint_file(path, state);
+  info("checkpoint " + why + " written to " + path);
+}
+
+void Server::restore_checkpoint() {
+  const auto path = checkpoint_path(options_.checkpoint_dir, index_, num_servers_);
+  const auto saved = read_checkpoint_file(path);
+  if (!saved) {
+    return;
+  }
+  const auto state = saved->toGenericDict();
+  TORCH_CHECK(state.contains("format") && state.at("format").toStringRef() == "torchpar.ps",
+              "torchpar.ps: ", path, " is not a parameter-server checkpoint");
+  TORCH_CHECK(state.at("workers").toInt() == num_workers(), "torchpar.ps: checkpoint ", path, " was written for ",
+              state.at("workers").toInt(), " workers, this job has ", num_workers());
+  for (const auto& table : state.at("tables").toList()) {
+    auto entry = table.get().toGenericDict();
+    restored_.emplace(entry.at("name").toStringRef(), entry);
+  }
+  info("restoring " + std::to_string(restored_.size()) + " tables from " + path);
+}
+
+void Server::log_stats() {
+  const auto now = Clock::now();
+  const double seconds = std::max(1e-9, std::chrono::duration<double>(now - last_stats_).count());
+  std::ostringstream line;
+  line.precision(3);
+  line << (summary_.requests - requests_at_last_stats_) / seconds << " requests/s, in "
+       << (summary_.bytes_in - bytes_in_at_last_stats_) / seconds / 1e6 << " MB/s, out "
+       << (summary_.bytes_out - bytes_out_at_last_stats_) / seconds / 1e6 << " MB/s; worker clocks [";
+  int64_t fastest = 0;
+  int64_t slowest = std::numeric_limits<int64_t>::max();
+  for (int w = 0; w < num_workers(); ++w) {
+    int64_t clock = std::numeric_limits<int64_t>::max();
+    for (const auto& table : tables_) {
+      clock = std::min(clock, table->pushes[w]);
+    }
+    if (tables_.empty()) clock = 0;
+    line << (w ? ", " : "");
+    if (states_[w] == WorkerState::Active) {
+      line << clock;
+      fastest = std::max(fastest, clock);
+      slowest = std::min(slowest, clock);
+    } else {
+      line << (states_[w] == WorkerState::Finished ? "done" : "lost");
+    }
+  }
+  int64_t rows = 0;
+  int64_t bytes = 0;
+  for (const auto& table : tables_) {
+    bytes += table->bytes();
+    if (const auto* sparse = dynamic_cast<const SparseTable*>(table.get())) {
+      rows += sparse->touched_rows();
+    }
+  }
+  line << "]; staleness " << (slowest == std::numeric_limits<int64_t>::max() ? 0 : fastest - slowest)
+       << " now, " << summary_.max_staleness << " at most; " << tables_.size() << " tables, " << rows
+       << " sparse rows, " << bytes / 1e6 << " MB";
+  info(line.str());
+  requests_at_last_stats_ = summary_.requests;
+  bytes_in_at_last_stats_ = summary_.bytes_in;
+  bytes_out_at_last_stats_ = summary_.bytes_out;
+  last_stats_ = now;
+}
+
+} // namespace
+
+ServerSummary run_server(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int server_index, int num_servers,
+                         const std::vector<int>& worker_ranks, const ServerOptions& options) {
+  return Server(group, server_index, num_servers, worker_ranks, options).run();
+}
+
+} // namespace torchpar::ps

@@ -1,0 +1,90 @@
+#pragma once
+// The parameter server's messages: a fixed frame (kind, request id, payload size) and a payload of
+// little fields and aligned tensor data. Every payload is decoded and validated in full before a
+// server touches a table, so a truncated or garbage message costs its sender an error, nothing more.
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace torchpar::ps {
+
+// Bumped whenever a field changes; peers of another version are refused with both versions named.
+constexpr int64_t kWireVersion = 1;
+constexpr int64_t kWireMagic = 0x54505053; // "TPPS"
+
+enum class MessageKind : int64_t {
+  RegisterDense = 1,
+  RegisterSparse,
+  Pull,
+  Push,
+  PushPull,
+  PullRows,
+  PushRows,
+  SetLearningRate,
+  Checkpoint,
+  Finish,
+  // Replies.
+  Ok = 100,
+  Error,
+  Bye,
+};
+const char* kind_name(MessageKind kind);
+
+// The first of a message's two transfers: int64 fields, so one fixed-size receive reads it.
+struct Frame {
+  static constexpr int64_t kFields = 4;
+  MessageKind kind = MessageKind::Ok;
+  int64_t request_id = 0;
+  int64_t payload_bytes = 0;
+};
+void encode_frame(const Frame& frame, int64_t* fields);
+// Throws when the magic or version is wrong: the peer speaks another protocol.
+Frame decode_frame(const int64_t* fields);
+
+class WireWriter {
+ public:
+  template <typename T>
+  void put(T value) {
+    append(&value, sizeof(T));
+  }
+  void put_string(const std::string& text);
+  // Tensor data starts on an 8-byte boundary so the receiver can use it in place.
+  void put_data(const void* data, size_t bytes);
+  void append(const void* data, size_t bytes);
+  std::vector<uint8_t> release() { return std::move(bytes_); }
+  size_t size() const { return bytes_.size(); }
+
+ private:
+  std::vector<uint8_t> bytes_;
+};
+
+// Reads what WireWriter wrote; a read past the end throws naming the field.
+class WireReader {
+ public:
+  WireReader(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  template <typename T>
+  T get(const char* field) {
+    T value;
+    std::memcpy(&value, take(sizeof(T), field), sizeof(T));
+    return value;
+  }
+  std::string get_string(const char* field);
+  const uint8_t* get_data(size_t bytes, const char* field);
+  // Throws if bytes are left over: a message longer than its fields is as malformed as a short one.
+  void expect_end() const;
+
+ private:
+  const uint8_t* take(size_t bytes, const char* field);
+  const uint8_t* data_;
+  size_t size_;
+  size_t offset_ = 0;
+};
+
+// Table dtypes on the wire; anything else is refused.
+uint8_t dtype_code(c10::ScalarType dtype);
+c10::ScalarType dtype_from_code(uint8_t code);
+
+} // namespace torchpar::ps
