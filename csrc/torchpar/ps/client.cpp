@@ -370,6 +370,8 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
   std::vector<at::Tensor> flat_grads;
   std::vector<at::Tensor> outputs;
   std::string what = std::string(operation) + " of";
+  // Clocks are assigned and messages queued in one go, so a server sees each table's pushes in clock order.
+  std::lock_guard<std::mutex> order(send_order_);
   std::unique_lock<std::mutex> lock(mutex_);
   TORCH_CHECK(!pushing || grads.size() == tables.size(), "torchpar.ps: ", operation, " of ", tables.size(),
               " tables with ", grads.size(), " gradients");
@@ -469,6 +471,7 @@ Future Client::rows_operation(MessageKind kind, const std::vector<int>& tables, 
   std::vector<at::Tensor> unique_rows;   // pull: [distinct, dim], filled by the replies
   std::vector<at::Tensor> summed_grads;  // push: [distinct, dim]
   std::vector<std::vector<int64_t>> shapes;
+  std::lock_guard<std::mutex> order(send_order_);
   std::unique_lock<std::mutex> lock(mutex_);
   for (size_t i = 0; i < tables.size(); ++i) {
     const auto& t = checked_table(tables[i], true, operation);

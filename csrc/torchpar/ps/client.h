@@ -94,6 +94,7 @@ class Client {
   std::vector<int> server_ranks_;
   std::chrono::milliseconds timeout_;
 
+  std::mutex send_order_;
   mutable std::mutex mutex_;
   std::vector<ClientTable> tables_;
   std::map<int64_t, Pending> pending_;

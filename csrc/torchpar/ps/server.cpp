@@ -246,7 +246,9 @@ void Server::handle_message(int worker, Message&& message) {
   summary_.requests += 1;
   summary_.bytes_in += Frame::kFields * 8 + frame.payload_bytes;
   if (states_[worker] == WorkerState::Lost) {
-    if (frame.kind != MessageKind::Finish) {
+    if (frame.kind == MessageKind::Finish) {
+      send(worker, make_message(MessageKind::Bye, frame.request_id, {}));
+    } else {
       reply_error(worker, frame.request_id,
                   "torchpar.ps: " + who(worker) + " was dropped by server " + std::to_string(index_) +
                       " (it missed a BSP round for longer than the timeout); its requests are refused");

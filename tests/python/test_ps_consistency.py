@@ -1,0 +1,285 @@
+"""The parameter service's consistency models, checked against what each promises.
+
+BSP: W workers on shards of a global batch train exactly as one process on the whole batch (the server
+applies the mean of the workers' gradients), for dense parameters (RemoteParameters; plain SGD and
+SGD with momentum and weight decay) and for embeddings (ps.Embedding, duplicate ids, SGD and Adagrad).
+ASP: concurrent pushes from every worker all land, none lost, over 1, 2 and 3 servers.
+SSP: a read at clock c sees every worker's pushes of clocks < c - s, the fast worker waits for the slow
+one, yet runs up to s clocks ahead; ASP in the same setup runs further ahead (so the check can fail).
+"""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ps_helpers import run_service
+
+import torchpar.ps as ps
+
+# --- BSP equals single-process training on the global batch ------------------------------------------
+
+IN, HIDDEN, OUT = 4, 6, 2
+SHARD = 3  # samples per worker and step
+STEPS = 4
+LR = 0.1
+MOMENTUM = dict(momentum=0.9, weight_decay=0.01)
+NUM_ROWS, DIM, BAG = 40, 3, 4
+ADAGRAD_LR = 0.2
+ROW_INIT = dict(low=-0.5, high=0.5, seed=11)
+
+
+def mlp(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+
+def head(seed):
+    torch.manual_seed(seed)
+    return nn.Linear(DIM, 1)
+
+
+def global_batch(step, workers):
+    """Dense inputs and targets, and for the embedding model two bags of ids per sample: ids from a small
+    range so that rows repeat within a sample, a worker's shard and across workers."""
+    generator = torch.Generator().manual_seed(100 + step)
+    n = workers * SHARD
+    x, y = torch.randn(n, IN, generator=generator), torch.randn(n, OUT, generator=generator)
+    ids = torch.randint(0, 10, (n, BAG), generator=generator)
+    ids2 = torch.randint(0, NUM_ROWS, (n, BAG), generator=generator)
+    target = torch.randn(n, 1, generator=generator)
+    return x, y, ids, ids2, target
+
+
+def sparse_forward(embedding, embedding2, linear, ids, ids2):
+    return linear(embedding(ids).sum(1) + embedding2(ids2).mean(1))
+
+
+def bsp_worker(service, workers):
+    client, w = service.client, service.worker_index
+    # Only worker 0's values start the tables: the others' modules start elsewhere and are overwritten.
+    plain = mlp(0 if w == 0 else 50 + w)
+    momentum = mlp(1 if w == 0 else 60 + w)
+    linear = head(2 if w == 0 else 70 + w)
+    plain_params = ps.RemoteParameters(plain, client, ps.SGD(LR), prefix="plain.")
+    momentum_params = ps.RemoteParameters(momentum, client, ps.SGD(LR, **MOMENTUM), prefix="momentum.")
+    head_params = ps.RemoteParameters(linear, client, ps.SGD(LR), prefix="head.")
+    embedding = ps.Embedding(client, "emb.sgd", NUM_ROWS, DIM, ps.SGD(LR), ps.uniform(**ROW_INIT))
+    embedding2 = ps.Embedding(client, "emb.adagrad", NUM_ROWS, DIM, ps.Adagrad(ADAGRAD_LR), ps.uniform(**ROW_INIT))
+    shard = slice(w * SHARD, (w + 1) * SHARD)
+    losses = {"plain": [], "momentum": [], "sparse": []}
+    for step in range(STEPS):
+        x, y, ids, ids2, target = (t[shard] for t in global_batch(step, workers))
+        for name, model, params in [("plain", plain, plain_params), ("momentum", momentum, momentum_params)]:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            params.step()
+            losses[name].append(loss.item())
+        loss = nn.functional.mse_loss(sparse_forward(embedding, embedding2, linear, ids, ids2), target)
+        loss.backward()
+        head_params.step()
+        losses["sparse"].append(loss.item())
+    embedding.flush()
+    embedding2.flush()
+    rows = client.pull_rows([embedding.table, embedding2.table], [torch.arange(NUM_ROWS)] * 2).wait()
+    return dict(
+        losses=losses,
+        plain={k: v.detach().clone() for k, v in plain.state_dict().items()},
+        momentum={k: v.detach().clone() for k, v in momentum.state_dict().items()},
+        head={k: v.detach().clone() for k, v in linear.state_dict().items()},
+        rows=rows,
+        clock=plain_params.clock,
+    )
+
+
+def bsp_reference(workers):
+    """One process, the whole global batch, torch.optim."""
+    plain, momentum, linear = mlp(0), mlp(1), head(2)
+    initial = ps.initial_rows(ps.uniform(**ROW_INIT), torch.arange(NUM_ROWS), DIM).float()
+    embedding = nn.Embedding.from_pretrained(initial.clone(), freeze=False)
+    embedding2 = nn.Embedding.from_pretrained(initial.clone(), freeze=False)
+    optimizers = [
+        torch.optim.SGD(plain.parameters(), lr=LR),
+        torch.optim.SGD(momentum.parameters(), lr=LR, **MOMENTUM),
+        torch.optim.SGD([*linear.parameters(), embedding.weight], lr=LR),
+        torch.optim.Adagrad([embedding2.weight], lr=ADAGRAD_LR),
+    ]
+    losses = {"plain": [], "momentum": [], "sparse": []}
+    for step in range(STEPS):
+        x, y, ids, ids2, target = global_batch(step, workers)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        for name, model in [("plain", plain), ("momentum", momentum)]:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            losses[name].append(loss.item())
+        loss = nn.functional.mse_loss(sparse_forward(embedding, embedding2, linear, ids, ids2), target)
+        loss.backward()
+        losses["sparse"].append(loss.item())
+        for optimizer in optimizers:
+            optimizer.step()
+    return dict(losses=losses, plain=plain.state_dict(), momentum=momentum.state_dict(), head=linear.state_dict(),
+                rows=[embedding.weight.detach(), embedding2.weight.detach()], initial_rows=initial)
+
+
+@pytest.mark.parametrize("workers,servers", [(2, 2), (3, 1)])
+def test_bsp_equals_single_process_training_on_the_global_batch(workers, servers):
+    results, stats = run_service(workers, servers, bsp_worker, workers, consistency="bsp", deadline_s=240)
+    expected = bsp_reference(workers)
+    for w, result in enumerate(results):
+        assert result["clock"] == STEPS
+        for model in ["plain", "momentum", "head"]:
+            for name, value in expected[model].items():
+                torch.testing.assert_close(result[model][name], value, atol=1e-5, rtol=0,
+                                           msg=lambda m: f"worker {w}, {model}.{name}: {m}")
+        for table, got, value in zip(["emb.sgd", "emb.adagrad"], result["rows"], expected["rows"]):
+            torch.testing.assert_close(got, value, atol=1e-5, rtol=0, msg=lambda m: f"worker {w}, {table}: {m}")
+    for model, reference in expected["losses"].items():
+        # Each worker's loss is its shard's mean; equal shards: their mean is the global batch's loss.
+        mean = [sum(r["losses"][model][step] for r in results) / workers for step in range(STEPS)]
+        assert mean == pytest.approx(reference, abs=1e-5), model
+    # Not vacuous: training moved every part, the embeddings' rows included.
+    assert not torch.allclose(expected["plain"]["0.weight"], mlp(0).state_dict()["0.weight"], atol=1e-3)
+    assert not torch.allclose(expected["momentum"]["2.weight"], mlp(1).state_dict()["2.weight"], atol=1e-3)
+    for rows in expected["rows"]:
+        assert not torch.allclose(rows, expected["initial_rows"], atol=1e-3)
+    assert all(s["max_staleness"] == 0 and s["lost_workers"] == [] for s in stats)
+
+
+# --- ASP: every push lands ----------------------------------------------------------------------------
+
+ASP_PUSHES = 40
+ASP_ROWS, ASP_DIM = 16, 2
+DENSE_INITIAL = torch.arange(5.0) * 10
+
+
+def asp_pushes(worker):
+    """Integer-valued gradients: any order of application sums exactly."""
+    generator = torch.Generator().manual_seed(worker)
+    pushes = []
+    for _ in range(ASP_PUSHES):
+        dense = torch.randint(-3, 4, (5,), generator=generator).float()
+        small = torch.randint(-3, 4, (2,), generator=generator).float()
+        ids = torch.randint(0, 12, (5,), generator=generator)  # duplicates; rows 12..15 never pushed
+        rows = torch.randint(-3, 4, (5, ASP_DIM), generator=generator).float()
+        pushes.append((dense, small, ids, rows))
+    return pushes
+
+
+def asp_worker(service):
+    client, w = service.client, service.worker_index
+    dense = client.dense_table("dense", DENSE_INITIAL, ps.SGD(1.0))
+    small = client.dense_table("small", torch.tensor([5.0, -5.0]), ps.SGD(1.0))  # fewer elements than servers
+    rows = client.sparse_table("rows", ASP_ROWS, ASP_DIM, ps.SGD(1.0))
+    dist.barrier(group=service.worker_group)  # push at the same time
+    futures = []
+    for i, (g, g_small, ids, g_rows) in enumerate(asp_pushes(w)):
+        if i % 3 == 0:
+            futures.append(client.push_pull([dense, small], [g, g_small]))
+        else:
+            futures.append(client.push([dense, small], [g, g_small]))
+        futures.append(client.push_rows([rows], [ids], [g_rows]))
+        if i % 5 == 0:
+            futures.append(client.pull([dense]))  # never waits under ASP
+            futures.append(client.pull_rows([rows], [ids]))
+    for future in futures:
+        future.wait()
+    clocks = [client.clock(dense), client.clock(small), client.clock(rows)]
+    dist.barrier(group=service.worker_group)  # every worker's pushes were answered, so applied
+    final_dense, final_small = client.pull([dense, small]).wait()
+    final_rows = client.pull_rows([rows], [torch.arange(ASP_ROWS)]).wait()[0]
+    return dict(clocks=clocks, dense=final_dense, small=final_small, rows=final_rows)
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3])
+def test_asp_loses_no_concurrent_update(servers):
+    workers = 2
+    results, stats = run_service(workers, servers, asp_worker, consistency="asp", deadline_s=240)
+    pushes = [p for w in range(workers) for p in asp_pushes(w)]
+    expected_dense = DENSE_INITIAL - sum(p[0] for p in pushes)  # SGD, lr 1: value - sum of every gradient
+    expected_small = torch.tensor([5.0, -5.0]) - sum(p[1] for p in pushes)
+    expected_rows = torch.zeros(ASP_ROWS, ASP_DIM)
+    for _, _, ids, rows in pushes:
+        expected_rows.index_add_(0, ids, -rows)
+    for result in results:
+        assert result["clocks"] == [ASP_PUSHES] * 3
+        assert torch.equal(result["dense"], expected_dense), (result["dense"], expected_dense)
+        assert torch.equal(result["small"], expected_small), (result["small"], expected_small)
+        assert torch.equal(result["rows"], expected_rows), (result["rows"] - expected_rows)
+    # Every row lives on exactly one server.
+    assert sum(t["rows_touched"] for s in stats for t in s["tables"] if t["name"] == "rows") == ASP_ROWS
+    assert all(s["lost_workers"] == [] for s in stats)
+
+
+# --- SSP: bounded staleness ---------------------------------------------------------------------------
+
+SSP_STEPS = 6
+SLOW_SLEEP_S = 0.6
+COUNTER = 3  # elements (split over two servers when there are two)
+
+
+def ssp_worker(service, staleness):
+    """Each clock: read the counters, (the slow worker sleeps), push +1 to each. Returns what each read saw."""
+    client, w = service.client, service.worker_index
+    counter = client.dense_table("counter", torch.zeros(COUNTER), ps.SGD(1.0))
+    rows = client.sparse_table("rows", 4, 1, ps.SGD(1.0))
+    slow = w == service.num_workers - 1
+    dist.barrier(group=service.worker_group)
+    reads = []
+    start = time.monotonic()
+    for clock in range(SSP_STEPS):
+        assert client.clock(counter) == clock and client.clock(rows) == clock
+        before = time.monotonic()
+        value = client.pull([counter]).wait()[0]
+        row = client.pull_rows([rows], [torch.tensor([2])]).wait()[0]
+        reads.append(dict(clock=clock, dense=value.tolist(), row=row.item(), waited=time.monotonic() - before))
+        if slow:
+            time.sleep(SLOW_SLEEP_S)
+        client.push([counter], [-torch.ones(COUNTER)]).wait()
+        client.push_rows([rows], [torch.tensor([2])], [-torch.ones(1, 1)]).wait()
+    return dict(slow=slow, reads=reads, elapsed=time.monotonic() - start)
+
+
+def others_pushes_seen(read):
+    """The fewest pushes of the other worker any part of the read included (its own are all in)."""
+    return min(*(v - read["clock"] for v in read["dense"]), read["row"] - read["clock"])
+
+
+def run_two_workers(servers, consistency, staleness):
+    results, stats = run_service(2, servers, ssp_worker, staleness, consistency=consistency, staleness=staleness,
+                                 deadline_s=240)
+    fast, slow = results
+    assert not fast["slow"] and slow["slow"]
+    for result in results:
+        for read in result["reads"]:
+            # Integer counts: every element and the row saw between 0 and all of the other's pushes.
+            assert all(v == int(v) for v in read["dense"]) and read["row"] == int(read["row"])
+            assert read["clock"] <= min(read["dense"]) and max(read["dense"]) <= read["clock"] + SSP_STEPS
+    return fast, slow, stats
+
+
+@pytest.mark.parametrize("staleness,servers", [(1, 1), (2, 2)])
+def test_ssp_bounds_staleness_and_blocks_the_fast_worker(staleness, servers):
+    fast, slow, stats = run_two_workers(servers, "ssp", staleness)
+    for result in (fast, slow):
+        for read in result["reads"]:
+            # A read at clock c waits for every worker's pushes of clocks < c - s.
+            assert others_pushes_seen(read) >= read["clock"] - staleness, (read, result["reads"])
+    ahead = [read["clock"] - others_pushes_seen(read) for read in fast["reads"]]
+    assert max(ahead) == staleness, f"the fast worker should run exactly s={staleness} clocks ahead: {ahead}"
+    # It blocked: its last read (clock SSP_STEPS - 1) needed SSP_STEPS - 1 - s of the slow worker's
+    # pushes, each made after one of its sleeps.
+    assert fast["elapsed"] >= 0.8 * (SSP_STEPS - 1 - staleness) * SLOW_SLEEP_S, fast
+    assert all(s["max_staleness"] <= staleness for s in stats), stats
+    assert max(s["max_staleness"] for s in stats) == staleness, stats
+
+
+def test_asp_lets_the_fast_worker_run_ahead():
+    """The contrast to the SSP test: without the bound, the fast worker's reads trail by more than s=1."""
+    staleness = 1
+    fast, _, stats = run_two_workers(1, "asp", staleness)
+    ahead = [read["clock"] - others_pushes_seen(read) for read in fast["reads"]]
+    assert max(ahead) > staleness + 1, ahead
+    assert fast["elapsed"] < 0.8 * (SSP_STEPS - 1 - staleness) * SLOW_SLEEP_S, fast
+    assert stats[0]["max_staleness"] > staleness + 1, stats
