@@ -1,11 +1,20 @@
 """Parameter server: torchpar.ps beside torch.distributed.rpc's parameter-server pattern, and PS training beside DDP.
 
-    python benchmarks/ps.py [--parts updates training] [--rounds N] [--seconds S] [--quick]
+    python benchmarks/ps.py [--parts updates training] [--configs ...] [--rounds N] [--seconds S]
+                            [--train-seconds S] [--rpc-transport uv|default] [--quick]
                             [--out benchmarks/results]
 
 One world of 3 ranks on this host (one thread each): ranks 0 and 1 are workers, rank 2 the server.
 Every rank joins torchpar's Gloo process group (torchpar.init_process_group) and torch.distributed.rpc
-(TensorPipe, its own rendezvous on another port), so both implementations run in the same processes:
+(TensorPipe, its own rendezvous on another port), so both implementations run in the same processes.
+RPC's TensorPipe agent is limited to its TCP transport (uv) for its messages, the transport Gloo,
+and so torchpar.ps, uses too; tensor data still takes TensorPipe's default channel, on one host
+cma (process_vm_readv: the receiver copies straight from the sender's memory, one copy, no
+socket). TensorPipe's default transports add shared memory, whose reactor thread polls without
+sleeping (15-30% of a core per process, measured idle on this 2-core machine): it would slow
+torchpar's turns beside it, and in trial runs it did not make the anchor faster here, only more
+erratic. `--rpc-transport default` measures with it; `--rpc-transport tcp` sends RPC's tensors
+through the socket too (channel "basic"), as Gloo does.
 
 updates   push/pull throughput. The anchor is the RPC parameter-server pattern of pytorch/examples
           (distributed/rpc/parameter_server): one ParameterServer object on the server, created on
@@ -308,9 +317,9 @@ class Trainer:
     """One model copy trained on the worker's shard; every variant sees the same batches in the same order."""
 
     def __init__(self, name: str, module: nn.Module, batches: list, step: Callable[[torch.Tensor, torch.Tensor], None],
-                 evaluate_module: nn.Module, before_evaluation: Callable[[], None] = lambda: None) -> None:
+                 before_evaluation: Callable[[], None] = lambda: None) -> None:
         self.name, self.module, self.batches, self._step = name, module, batches, step
-        self.evaluate_module, self.before_evaluation = evaluate_module, before_evaluation
+        self.before_evaluation = before_evaluation
         self.steps = 0
         self.seconds: list[float] = []
 
@@ -351,7 +360,7 @@ def measure_training(worker: int, services: dict, ddp_group, config: dict, contr
         loss_fn(ddp(x), y).backward()
         optimizer.step()
 
-    trainers.append(Trainer("DDP", ddp_module, batches, ddp_step, ddp_module))
+    trainers.append(Trainer("DDP", ddp_module, batches, ddp_step))
     remote = {}
     for mode, service in services.items():
         module = copy.deepcopy(initial)
@@ -361,7 +370,7 @@ def measure_training(worker: int, services: dict, ddp_group, config: dict, contr
             loss_fn(module(x), y).backward()  # each gradient is pushed as backward produces it
             params.step()
 
-        trainers.append(Trainer(mode, module, batches, ps_step, module, remote[mode].pull))
+        trainers.append(Trainer(mode, module, batches, ps_step, remote[mode].pull))
     for trainer in trainers:
         for _ in range(TRAIN_WARMUP):
             trainer.step()
@@ -387,8 +396,8 @@ def measure_training(worker: int, services: dict, ddp_group, config: dict, contr
                    ratio_to_ddp=statistics.median([r / (WORKERS * TRAIN_BATCH * count / s)
                                                    for r, s in zip(rates, reference.seconds)]))
         with torch.no_grad():
-            trainer.evaluate_module.eval()
-            predictions = trainer.evaluate_module(data["test_x"]).argmax(dim=1)
+            trainer.module.eval()
+            predictions = trainer.module(data["test_x"]).argmax(dim=1)
             row["test_accuracy"] = (predictions == data["test_y"]).float().mean().item()
             row["max_weight_difference_to_ddp"] = max(
                 (p - q).abs().max().item() for p, q in zip(trainer.module.parameters(), reference.module.parameters()))
@@ -425,7 +434,8 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
         for mode, options in MODES.items():
             services[mode] = ps.ParameterService(**options, **service_options)
     if "updates" in parts:
-        transports = dict(_transports=["uv"]) if config["rpc_transport"] == "uv" else {}
+        transports = {"uv": dict(_transports=["uv"]), "tcp": dict(_transports=["uv"], _channels=["basic"]),
+                      "default": {}}[config["rpc_transport"]]
         rpc.init_rpc(RPC_NAMES[rank], rank=rank, world_size=world,
                      rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
                          init_method=f"tcp://127.0.0.1:{config['rpc_port']}", rpc_timeout=300, **transports))
@@ -475,7 +485,8 @@ def updates_table(rows: list[dict]) -> str:
         if r["part"] != "updates":
             continue
         payload = r["bytes_per_update"] / MB
-        lines.append(f"| {r['config']} | {payload:.3g} MB | {r['rpc_updates_per_s']:.0f} "
+        name = r["config"] + (f" ({r['mean_distinct_ids']:.0f} distinct)" if "mean_distinct_ids" in r else "")
+        lines.append(f"| {name} | {payload:.3g} MB | {r['rpc_updates_per_s']:.0f} "
                      f"| {r['torchpar_updates_per_s']:.0f} | {r['rpc_mb_per_s']:.1f} | {r['torchpar_mb_per_s']:.1f} "
                      f"| {r['rpc_ms_per_update']:.2f} | {r['torchpar_ms_per_update']:.2f} | {r['ratio']:.2f} |")
     return "\n".join(lines)
@@ -552,9 +563,10 @@ def main() -> None:
                         help="target seconds per timed push/pull run (default 0.4; --quick 0.1)")
     parser.add_argument("--train-seconds", type=float, default=None,
                         help="target seconds per timed run of the slowest training variant (default 1; --quick 0.2)")
-    parser.add_argument("--rpc-transport", choices=["uv", "default"], default="uv",
-                        help="TensorPipe transports of the RPC anchor: uv (TCP only; see above) or TensorPipe's "
-                             "default (adds shm, whose reactor thread polls)")
+    parser.add_argument("--rpc-transport", choices=["uv", "tcp", "default"], default="uv",
+                        help="TensorPipe setup of the RPC anchor: uv (TCP messages, default channels: cma for "
+                             "tensors; see above), tcp (tensors through the socket too) or TensorPipe's default "
+                             "(adds shm, whose reactor thread polls)")
     parser.add_argument("--quick", action="store_true", help="a sanity run of well under a minute")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()

@@ -63,7 +63,8 @@ def parse_args() -> argparse.Namespace:
                         help="steps between checkpoints (0: at the end only)")
     parser.add_argument("--stats-interval", type=float, default=5.0, help="seconds between servers' stats lines")
     parser.add_argument("--backend", choices=["gloo", "shm"], default=None,
-                        help="the workers' process-group backend (default: $TORCHPAR_BACKEND, else gloo)")
+                        help="the job's and the workers' process groups (default: $TORCHPAR_BACKEND, else gloo; the service's "
+                             "own messages always go over Gloo)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -169,7 +170,7 @@ def main() -> int:
         service = torchpar.ps.ParameterService(
             servers=args.servers, consistency=args.consistency, staleness=args.staleness,
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-            stats_interval=args.stats_interval)
+            stats_interval=args.stats_interval, worker_backend=args.backend or "")
     except RuntimeError as error:  # e.g. --servers leaving no worker
         if rank == 0:
             print(f"train_ps.py: {error}", file=sys.stderr)

@@ -43,6 +43,56 @@ def run_service(workers: int, servers: int, body: Callable, *args, deadline_s: f
     return [v for _, v in worker_values], [v for _, v in server_stats]
 
 
+def _serve_or_work_in_turn(rank: int, world: int, servers: int, scenarios: list) -> list:
+    """One rank: one service after another on the same ranks (a launch costs far more than a service).
+
+    A worker's failing body is caught and reported as its traceback, and the worker still finishes, so
+    the servers return and the next scenarios run."""
+    import traceback
+
+    outcomes = []
+    for name, body, args, options in scenarios:
+        service = ps.ParameterService(servers=servers, **options)
+        if service.is_server:
+            outcomes.append(("server", service.server_index, service.serve()))
+            continue
+        try:
+            outcome = ("worker", service.worker_index, body(service, *args))
+        except Exception:  # noqa: BLE001 - reported to the test of this scenario
+            outcome = ("failed", service.worker_index, f"scenario {name!r}:\n{traceback.format_exc()}")
+        service.finish()
+        outcomes.append(outcome)
+    return outcomes
+
+
+class Scenarios:
+    """The outcomes of ``run_scenarios``: ``scenarios[name]`` is (worker values, server statistics), or
+    raises AssertionError with the tracebacks of that scenario's failed workers."""
+
+    def __init__(self, names: list[str], per_rank: list[list[tuple]]):
+        self._outcomes = {name: [outcomes[i] for outcomes in per_rank] for i, name in enumerate(names)}
+
+    def __getitem__(self, name: str) -> tuple[list[Any], list[dict]]:
+        outcomes = self._outcomes[name]
+        failures = [message for role, _, message in outcomes if role == "failed"]
+        if failures:
+            raise AssertionError("\n".join(failures))
+        workers = [value for role, _, value in sorted(outcomes, key=lambda o: o[1]) if role == "worker"]
+        servers = [value for role, _, value in sorted(outcomes, key=lambda o: o[1]) if role == "server"]
+        return workers, servers
+
+
+def run_scenarios(workers: int, servers: int, scenarios: list, deadline_s: float = 240.0,
+                  collective_timeout_s: float = 120.0) -> Scenarios:
+    """Runs ``scenarios`` — (name, body, args, service options) — one after another on one launch of
+    ``workers`` + ``servers`` ranks, each with a fresh service (timeout 60 s unless given)."""
+    scenarios = [(name, body, tuple(args), {"timeout": 60.0, "stats_interval": 3600.0, **options})
+                 for name, body, args, options in scenarios]
+    per_rank = run_on_ranks(workers + servers, _serve_or_work_in_turn, servers, scenarios, deadline_s=deadline_s,
+                            collective_timeout_s=collective_timeout_s)
+    return Scenarios([name for name, *_ in scenarios], per_rank)
+
+
 # --- Failure tests: ranks that die on purpose, signals between ranks, the servers' log, raw messages ---
 
 import logging  # noqa: E402
@@ -110,7 +160,7 @@ def error_of(call: Callable) -> str:
     """The message of the RuntimeError that ``call()`` raises, directly or from the future it returns."""
     try:
         result = call()
-        if isinstance(result, torch.futures.Future):
+        if isinstance(result, torch._C.Future):  # the client's futures (torch.futures.Future's base)
             result.wait()
     except RuntimeError as error:
         return str(error)

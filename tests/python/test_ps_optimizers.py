@@ -100,7 +100,8 @@ def optimizer_worker(service):
     clocks = {name: client.clock(table) for name, table in {**dense, **sparse}.items()}
 
     refusals = {}
-    for label, optimizer in [("momentum", ps.SGD(0.1, momentum=0.9)), ("weight decay", ps.Adagrad(0.1, weight_decay=0.1))]:
+    refused = [("momentum", ps.SGD(0.1, momentum=0.9)), ("weight decay", ps.Adagrad(0.1, weight_decay=0.1))]
+    for label, optimizer in refused:
         try:
             client.sparse_table("refused", NUM_ROWS, DIM, optimizer)
             refusals[label] = None
@@ -175,15 +176,7 @@ def test_dense_table_follows_torch_optim(served, name):
     assert result["clocks"][name] == STEPS
 
 
-SPARSE_ACCUMULATOR_BUG = pytest.mark.xfail(
-    strict=True, reason="library bug: csrc/torchpar/ps/sparse_table.cpp starts every row's Adagrad sum at 0 "
-    "(SparseTable's constructor, grow() and slots_of() never apply OptimizerConfig::initial_accumulator), so "
-    "initial_accumulator_value is silently ignored on sparse rows (rows move as with 0.0)")
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=SPARSE_ACCUMULATOR_BUG)
-                                  if SPARSE_CASES[name][1].get("initial_accumulator_value") else name
-                                  for name in SPARSE_CASES])
+@pytest.mark.parametrize("name", list(SPARSE_CASES))
 def test_sparse_rows_follow_torch_optim_row_by_row(served, name):
     result, _ = served
     got, expected = result["rows"][name], expected_rows(name)
@@ -207,6 +200,6 @@ def test_sparse_rows_refuse_momentum_and_weight_decay(served):
     assert result["refusals"]["weight decay"] is not None, "a sparse table with weight decay was accepted"
     assert "weight decay" in result["refusals"]["weight decay"]
     # After the refusals the name registered with plain SGD and took a push (ids 3, 3 summed: -2).
-    torch.testing.assert_close(result["accepted_row"][0], ps.initial_rows(ps.zeros(), torch.tensor([3]), DIM)[0].float() - 2)
+    torch.testing.assert_close(result["accepted_row"][0], torch.full((DIM,), -2.0))
     sparse_tables = {table["name"] for s in stats for table in s["tables"] if table["sparse"]}
     assert sparse_tables == {"sparse." + name for name in SPARSE_CASES} | {"refused"}

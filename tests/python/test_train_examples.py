@@ -67,3 +67,77 @@ def test_python_train_pipeline_reaches_95_percent(digits, free_port, ranks, opti
     result = torchrun(f"--nproc-per-node={ranks}", f"--master-port={free_port}", script, "--data", digits, *options)
     assert result.returncode == 0, result.stdout + result.stderr
     assert pipeline_accuracy(result.stdout, ranks, stages) >= 95.0
+
+
+PS_TRAINED = re.compile(r"(\d+) steps of 2 workers")
+PS_RESUMED = re.compile(r"resuming from the servers' checkpoint at step (\d+) of (\d+)")
+
+
+@pytest.mark.parametrize("consistency", ["bsp", "ssp"])
+def test_python_train_ps_reaches_95_percent(digits, free_port, consistency):
+    """2 workers + 1 server; the servers' statistics line and summary are logged."""
+    script = ROOT / "examples" / "python" / "train_ps.py"
+    result = torchrun("--nproc-per-node=3", f"--master-port={free_port}", script, "--data", digits,
+                      "--consistency", consistency, "--staleness", "2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert accuracy_in(output) >= 95.0
+    assert f"serving 2 workers, {consistency}" in output, output
+    assert "server 0 of 1 (rank 2): " in output and "lost workers none" in output, output
+    assert re.search(r"requests/s, .*worker clocks \[done, done\]", output), output
+
+
+def test_python_train_ps_resumes_from_its_checkpoint(digits, free_port, tmp_path):
+    """A run of 3 epochs leaves the servers' checkpoint; a run of 12 epochs trains only the 9 new ones."""
+    script = ROOT / "examples" / "python" / "train_ps.py"
+    common = ["--nproc-per-node=3", f"--master-port={free_port}", script, "--data", digits,
+              "--checkpoint-dir", tmp_path, "--checkpoint-every", "20"]
+    first = torchrun(*common, "--epochs", "3")
+    assert (tmp_path / "server-0-of-1.pt").exists(), first.stdout + first.stderr
+    assert "checkpoint at clock 60 written" in first.stderr, first.stderr
+    second = torchrun(*common, "--epochs", "12")
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output
+    assert "restored from the checkpoint" in output, output
+    resumed = PS_RESUMED.search(output)
+    assert resumed, output
+    done, total = int(resumed[1]), int(resumed[2])
+    assert done == total // 4  # 3 of 12 epochs
+    assert int(PS_TRAINED.search(output)[1]) == total - done
+    assert accuracy_in(output) >= 95.0
+
+
+CTR_ROWS = re.compile(r"embedding rows touched: (\d+) of (\d+) .*distinct feature ids: (\d+)")
+CTR_MEMORY = re.compile(r"embedding memory on (\d+) server\(s\): ([\d.]+) MB = (\d+) bytes per touched row")
+CTR_SERVER = re.compile(r"server (\d+): table 'ctr.embedding' holds (\d+) rows touched, ([\d.]+) MB")
+CTR_AUC = re.compile(r"held-out AUC ([\d.]+), log-loss ([\d.]+) \(untrained ([\d.]+), ([\d.]+); "
+                     r"base rate log-loss ([\d.]+)\)")
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_python_train_ctr_learns_and_holds_only_touched_rows(free_port, servers):
+    """A billion-row embedding: the servers hold exactly the rows the data used, ~200 bytes each (16 float32
+    values and 16 Adagrad sums, the id and its index entry, the tables' growth slack), not 64 GB."""
+    script = ROOT / "examples" / "python" / "train_ctr.py"
+    result = torchrun(f"--nproc-per-node={2 + servers}", f"--master-port={free_port}", script,
+                      "--servers", servers, "--train-samples", "100000", "--test-samples", "10000")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    auc, loss, untrained_auc, untrained_loss, base_loss = map(float, CTR_AUC.search(output).groups())
+    assert auc > untrained_auc + 0.1 and auc > 0.75, output
+    assert loss < base_loss < untrained_loss, output
+
+    rows, num_rows, distinct = map(int, CTR_ROWS.search(output).groups())
+    assert num_rows == 1_000_000_000
+    assert rows == distinct  # every row a batch or an evaluation used, and no other
+    assert 10_000 < rows < num_rows // 1000
+    held_servers, megabytes, per_row = CTR_MEMORY.search(output).groups()
+    assert int(held_servers) == servers
+    per_server = CTR_SERVER.findall(output)
+    assert sorted(int(s) for s, _, _ in per_server) == list(range(servers)), output
+    assert sum(int(r) for _, r, _ in per_server) == rows
+    for _, server_rows, server_megabytes in per_server:  # each server: bytes in proportion to its rows
+        bytes_per_row = float(server_megabytes) * 1e6 / int(server_rows)
+        assert 2 * 16 * 4 <= bytes_per_row <= 2 * (2 * 16 * 4 + 8) + 64, output
+    assert 2 * 16 * 4 <= int(per_row) <= 2 * (2 * 16 * 4 + 8) + 64
+    assert float(megabytes) * 1e6 < 1e-3 * num_rows * 16 * 4

@@ -2,7 +2,10 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstring>
 
 namespace torchpar::ps {
 namespace {
@@ -32,7 +35,7 @@ Channel::Channel(c10::intrusive_ptr<c10d::ProcessGroup> group, int peer, int out
       incoming_tag_(incoming_tag),
       on_message_(std::move(on_message)),
       on_failure_(std::move(on_failure)) {
-  sender_ = std::thread([this] { send_loop(); });
+  waiter_ = std::thread([this] { wait_loop(); });
   receiver_ = std::thread([this] { receive_loop(); });
 }
 
@@ -41,8 +44,8 @@ Channel::~Channel() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
-  queued_.notify_all();
-  sender_.join();
+  posted_.notify_all();
+  waiter_.join();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (pending_receive_) {
@@ -52,52 +55,63 @@ Channel::~Channel() {
   receiver_.join();
 }
 
-void Channel::send(Message message) {
+void Channel::send(const Message& message) {
+  std::vector<at::Tensor> frame{at::empty({Frame::kBytes}, at::kByte)};
+  auto* bytes = frame[0].data_ptr<uint8_t>();
+  encode_frame(message.frame, reinterpret_cast<int64_t*>(bytes));
+  const bool inline_payload = message.frame.payload_bytes <= Frame::kInlineBytes;
+  if (inline_payload && message.payload.defined()) {
+    std::memcpy(bytes + Frame::kFields * 8, message.payload.const_data_ptr(), message.frame.payload_bytes);
+  }
+  std::string failure;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failed_) {
       return;
     }
-    outbox_.push_back(std::move(message));
+    try {
+      in_flight_.push_back(group_->send(frame, peer_, outgoing_tag_));
+      if (!inline_payload) {
+        std::vector<at::Tensor> payload{message.payload};
+        in_flight_.push_back(group_->send(payload, peer_, outgoing_tag_ + 1));
+      }
+    } catch (const std::exception& error) {
+      failure = error.what();
+    }
   }
-  queued_.notify_one();
+  if (failure.empty()) {
+    posted_.notify_one();
+  } else {
+    fail(failure);
+  }
 }
 
 void Channel::fail(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (failed_ || stopping_) {
-      failed_ = true;
-      return;
-    }
+    const bool quiet = failed_ || stopping_;
     failed_ = true;
+    posted_.notify_all();
+    if (quiet) return;
   }
-  queued_.notify_all();
   on_failure_(reason);
 }
 
-
-void Channel::send_loop() {
+void Channel::wait_loop() {
   while (true) {
-    Message message;
+    c10::intrusive_ptr<c10d::Work> work;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      queued_.wait(lock, [&] { return !outbox_.empty() || stopping_ || failed_; });
-      if (outbox_.empty() || failed_) {
+      posted_.wait(lock, [&] { return !in_flight_.empty() || stopping_ || failed_; });
+      if (in_flight_.empty() || failed_) {
         return;
       }
-      message = std::move(outbox_.front());
-      outbox_.pop_front();
+      work = in_flight_.front();
+      in_flight_.pop_front();
     }
     try {
-      std::vector<at::Tensor> frame{at::empty({Frame::kFields}, at::kLong)};
-      encode_frame(message.frame, frame[0].data_ptr<int64_t>());
-      // A send waits for the peer's receive, at most the group's timeout.
-      group_->send(frame, peer_, outgoing_tag_)->wait();
-      if (message.payload.defined()) {
-        std::vector<at::Tensor> payload{message.payload};
-        group_->send(payload, peer_, outgoing_tag_ + 1)->wait();
-      }
+      // Completes when the peer received it; a peer that stopped receiving costs the group's timeout.
+      work->wait();
     } catch (const std::exception& error) {
       fail(error.what());
       return;
@@ -120,13 +134,15 @@ void Channel::receive_loop() {
   while (true) {
     Message message;
     try {
-      std::vector<at::Tensor> frame{at::empty({Frame::kFields}, at::kLong)};
+      std::vector<at::Tensor> frame{at::empty({Frame::kBytes}, at::kByte)};
       receive(frame, incoming_tag_);
-      message.frame = decode_frame(frame[0].data_ptr<int64_t>());
-      if (message.frame.payload_bytes > 0) {
+      message.frame = decode_frame(reinterpret_cast<const int64_t*>(frame[0].const_data_ptr()));
+      if (message.frame.payload_bytes > Frame::kInlineBytes) {
         std::vector<at::Tensor> payload{at::empty({message.frame.payload_bytes}, at::kByte)};
         receive(payload, incoming_tag_ + 1);
         message.payload = payload[0];
+      } else if (message.frame.payload_bytes > 0) {
+        message.payload = frame[0].narrow(0, Frame::kFields * 8, message.frame.payload_bytes);
       }
     } catch (const std::exception& error) {
       fail(error.what());

@@ -1,7 +1,8 @@
 #pragma once
-// One peer of the parameter service, over the process group's point-to-point ops: messages out
-// are sent in order by a sender thread, messages in are received by a receiver thread and handed
-// to a callback. A broken connection (the peer died) reaches the failure callback once.
+// One peer of the parameter service, over the process group's point-to-point ops. send() posts the
+// transfers at once from the calling thread (in call order); a waiter thread then waits for them to
+// complete, and a receiver thread receives the peer's messages and hands each to a callback. A
+// broken connection (the peer died) reaches the failure callback once.
 #include <torchpar/ps/wire_format.h>
 
 #include <ATen/core/Tensor.h>
@@ -21,7 +22,7 @@ class Work;
 
 namespace torchpar::ps {
 
-// Tags of the two directions (each uses the tag and the next one: frame, payload).
+// Tags of the two directions (each uses the tag and the next one: frame, large payload).
 constexpr int kRequestTag = 0x50530;
 constexpr int kReplyTag = 0x50532;
 
@@ -38,17 +39,17 @@ class Channel {
   using OnMessage = std::function<bool(Message&&)>;
   using OnFailure = std::function<void(const std::string&)>;
 
-  // Each direction uses two tags (frame, payload): `outgoing_tag`, `outgoing_tag + 1` to the peer.
   Channel(c10::intrusive_ptr<c10d::ProcessGroup> group, int peer, int outgoing_tag, int incoming_tag,
           OnMessage on_message, OnFailure on_failure);
-  // Sends what is queued, then stops; a receive still waiting is abandoned.
+  // Waits for what was sent (at most the group's timeout each), then stops; a receive still
+  // waiting is abandoned.
   ~Channel();
 
-  void send(Message message);
+  void send(const Message& message);
   int peer() const { return peer_; }
 
  private:
-  void send_loop();
+  void wait_loop();
   void receive_loop();
   void receive(std::vector<at::Tensor>& buffer, int tag);
   void fail(const std::string& reason);
@@ -61,12 +62,12 @@ class Channel {
   OnFailure on_failure_;
 
   std::mutex mutex_;
-  std::condition_variable queued_;
-  std::deque<Message> outbox_;
+  std::condition_variable posted_;
+  std::deque<c10::intrusive_ptr<c10d::Work>> in_flight_; // sends posted, not yet waited for
   bool stopping_ = false;
   bool failed_ = false;
   c10::intrusive_ptr<c10d::Work> pending_receive_;
-  std::thread sender_;
+  std::thread waiter_;
   std::thread receiver_;
 };
 

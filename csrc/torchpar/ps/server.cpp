@@ -11,7 +11,6 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <condition_variable>
-#include <deque>
 #include <limits>
 #include <list>
 #include <map>
@@ -140,9 +139,10 @@ class Server {
   std::map<int64_t, std::map<std::string, c10::IValue>> periodic_snapshots_; // BSP: clock -> table -> state
   int64_t next_periodic_clock_ = 0;
 
-  std::mutex events_mutex_;
-  std::condition_variable events_ready_;
-  std::deque<Event> events_;
+  // Channels' receiver threads handle their messages under this lock, the main loop its timers.
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool closing_ = false;
   std::vector<std::unique_ptr<Channel>> channels_;
 
   ServerSummary summary_;
@@ -184,37 +184,30 @@ void Server::reply_error(int worker, int64_t id, const std::string& reason) {
 }
 
 ServerSummary Server::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
   for (int w = 0; w < num_workers(); ++w) {
-    auto enqueue = [this](Event event) {
+    auto deliver = [this](Event event) {
       {
-        std::lock_guard<std::mutex> lock(events_mutex_);
-        events_.push_back(std::move(event));
+        std::lock_guard<std::mutex> guard(mutex_);
+        if (!closing_) handle(std::move(event));
       }
-      events_ready_.notify_one();
+      changed_.notify_one();
     };
     channels_.push_back(std::make_unique<Channel>(
         group_, worker_ranks_[w], kReplyTag, kRequestTag,
-        [w, enqueue](Message&& message) {
+        [w, deliver](Message&& message) {
           const bool last = message.frame.kind == MessageKind::Finish;
-          enqueue(Event{w, std::move(message), {}});
+          deliver(Event{w, std::move(message), {}});
           return !last;
         },
-        [w, enqueue](const std::string& reason) { enqueue(Event{w, {}, reason}); }));
+        [w, deliver](const std::string& reason) { deliver(Event{w, {}, reason}); }));
   }
   info(std::string("serving ") + std::to_string(num_workers()) + " workers, " +
        consistency_name(options_.consistency) +
        (options_.consistency == Consistency::SSP ? " (staleness " + std::to_string(options_.staleness) + ")" : ""));
   auto next_stats = Clock::now() + options_.stats_interval;
   while (any_active()) {
-    std::deque<Event> events;
-    {
-      std::unique_lock<std::mutex> lock(events_mutex_);
-      events_ready_.wait_for(lock, std::chrono::milliseconds(100), [&] { return !events_.empty(); });
-      events.swap(events_);
-    }
-    for (auto& event : events) {
-      handle(std::move(event));
-    }
+    changed_.wait_for(lock, std::chrono::milliseconds(100));
     drop_late_workers();
     if (Clock::now() >= next_stats) {
       log_stats();
@@ -225,11 +218,14 @@ ServerSummary Server::run() {
     write_checkpoint(snapshot_tables(), "at the end");
   }
   log_stats();
-  channels_.clear(); // sends what is queued (the last replies) first
   for (const auto& table : tables_) {
     const auto* sparse = dynamic_cast<const SparseTable*>(table.get());
     summary_.tables.push_back({table->name(), table->is_sparse(), sparse ? sparse->touched_rows() : 0, table->bytes()});
   }
+  closing_ = true;
+  auto channels = std::move(channels_);
+  lock.unlock();
+  channels.clear(); // waits for the last replies to be received
   return summary_;
 }
 

@@ -101,6 +101,9 @@ at::Tensor SparseTable::slots_of(const int64_t* ids, int64_t count) {
       ids_.push_back(ids[i]);
       initialize_row(initializer_, ids[i], row.data(), dim_);
       values_[entry->second].copy_(at::from_blob(row.data(), {dim_}, at::kDouble));
+      if (state_.sum.defined()) {
+        state_.sum[entry->second].fill_(optimizer().initial_accumulator);
+      }
     }
     out[i] = entry->second;
   }

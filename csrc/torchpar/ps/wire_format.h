@@ -33,9 +33,12 @@ enum class MessageKind : int64_t {
 };
 const char* kind_name(MessageKind kind);
 
-// The first of a message's two transfers: int64 fields, so one fixed-size receive reads it.
+// The first transfer of every message, of fixed size so one receive always reads it: four int64
+// fields, then the payload itself when it fits (most requests), else a second transfer carries it.
 struct Frame {
   static constexpr int64_t kFields = 4;
+  static constexpr int64_t kBytes = 16384;
+  static constexpr int64_t kInlineBytes = kBytes - kFields * 8;
   MessageKind kind = MessageKind::Ok;
   int64_t request_id = 0;
   int64_t payload_bytes = 0;
