@@ -1,7 +1,7 @@
 """Parameter server: torchpar.ps beside torch.distributed.rpc's parameter-server pattern, and PS training beside DDP.
 
     python benchmarks/ps.py [--parts updates training] [--configs ...] [--rounds N] [--seconds S]
-                            [--train-seconds S] [--rpc-transport uv|default] [--quick]
+                            [--train-seconds S] [--rpc-transport uv|tcp|default] [--quick]
                             [--out benchmarks/results]
 
 One world of 3 ranks on this host (one thread each): ranks 0 and 1 are workers, rank 2 the server.

@@ -68,13 +68,14 @@ def parse_args() -> argparse.Namespace:
 def make_data(args: argparse.Namespace) -> dict:
     """Samples (feature ids [n, fields], labels [n]) and the hidden rule's logits; the same on every rank."""
     generator = torch.Generator().manual_seed(args.seed)
+    # The hidden rule (drawn first: the same whatever the sample counts): a weight per hot value of every
+    # field, cold values count 0; the label is then drawn from the rule's probability.
+    weights = torch.randn(args.fields, args.hot, generator=generator, dtype=torch.float64) * 0.8
     n = args.train_samples + args.test_samples
     popularity = torch.arange(1, args.vocab + 1, dtype=torch.float64).pow(-args.zipf).cumsum(0)
     values = torch.searchsorted(popularity / popularity[-1], torch.rand(n, args.fields, generator=generator,
                                                                         dtype=torch.float64))
     values.clamp_(max=args.vocab - 1)  # [n, fields]: 0 is each field's most frequent value
-    # The hidden rule: a weight per hot value of every field, cold values count 0; then label noise.
-    weights = torch.randn(args.fields, args.hot, generator=generator, dtype=torch.float64) * 0.8
     hot = values < args.hot
     contribution = weights.gather(1, values.clamp(max=args.hot - 1).T).T * hot
     logits = -1.5 + contribution.sum(dim=1)
@@ -151,6 +152,7 @@ def train(args: argparse.Namespace, service: torchpar.ps.ParameterService, data:
                     log_loss(data["test_logits"], test_y))
         before_auc, before_loss = score(model, test_ids, test_y)
         logger.info("untrained: held-out AUC %.4f, log-loss %.4f", before_auc, before_loss)
+    dist.barrier(group=service.worker_group)  # the others start training once the untrained model is scored
 
     from tqdm import tqdm
 
@@ -208,7 +210,8 @@ def report_memory(args: argparse.Namespace, service: torchpar.ps.ParameterServic
         logger.info("embedding rows touched: %d of %d (%.4f%%; the data's distinct feature ids: %d)", rows,
                     args.num_rows, 100 * rows / args.num_rows, touched)
         logger.info("embedding memory on %d server(s): %.1f MB = %.0f bytes per touched row "
-                    "(a row: %d values + %d Adagrad sums of 4 bytes, its id and index entry); a dense %d x %d "
+                    "(a row: %d values + %d Adagrad sums of 4 bytes, its id, its index entry, and the slack of "
+                    "tables that double as they grow); a dense %d x %d "
                     "float32 table would need %.1f GB, %.1f GB with its Adagrad state", service.num_servers,
                     held / 1e6, held / max(1, rows), args.dim, args.dim, args.num_rows, args.dim, dense / 1e9,
                     2 * dense / 1e9)

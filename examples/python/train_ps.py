@@ -63,8 +63,8 @@ def parse_args() -> argparse.Namespace:
                         help="steps between checkpoints (0: at the end only)")
     parser.add_argument("--stats-interval", type=float, default=5.0, help="seconds between servers' stats lines")
     parser.add_argument("--backend", choices=["gloo", "shm"], default=None,
-                        help="the job's and the workers' process groups (default: $TORCHPAR_BACKEND, else gloo; the service's "
-                             "own messages always go over Gloo)")
+                        help="backend of the job's and the workers' process groups (default: $TORCHPAR_BACKEND, "
+                             "else gloo); the service's own messages always go over Gloo")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 

@@ -131,7 +131,8 @@ class ParameterService:
         self._service.finish()
 
     def close(self) -> None:
-        """Finish (workers) and release the service's threads and groups."""
+        """Finish (workers) and drop this object's hold on the service: its threads and groups go with
+        the last reference (a ``RemoteParameters`` or ``Embedding`` holding the client keeps them)."""
         if self._service is not None:
             self._service.finish()
             self._service = None
@@ -140,28 +141,54 @@ class ParameterService:
 class RemoteParameters:
     """A module's parameters kept on the parameter servers, one dense table each (``prefix`` + name).
 
-    Each gradient is pushed (with a pull of the new values) as soon as backward has accumulated it, so
-    communication overlaps the rest of backward; ``step()`` waits for the values and writes them into
-    the parameters. Worker 0's values start the tables, or the servers' checkpoint after a restart;
-    every worker's module starts from the servers' values.
+    Gradients are pushed in buckets of about ``bucket_cap_mb`` (parameters in reverse order, as DDP's
+    buckets: roughly the order backward produces them), each with a pull of the new values, as soon as
+    backward has accumulated every gradient of the bucket — so communication overlaps the rest of
+    backward, and a bucket is one message per server. ``step()`` waits for the values and writes them
+    into the parameters. Worker 0's values start the tables, or the servers' checkpoint after a
+    restart; every worker's module starts from the servers' values.
     """
 
-    def __init__(self, module: nn.Module, client: Client, optimizer: _engine.OptimizerConfig, prefix: str = ""):
+    def __init__(self, module: nn.Module, client: Client, optimizer: _engine.OptimizerConfig, prefix: str = "",
+                 bucket_cap_mb: float = 25.0):
         self._client = client
         self._parameters = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._tables = [client.dense_table(prefix + name, p.detach(), optimizer) for name, p in self._parameters]
+        self._buckets: list[list[int]] = []
+        bucket, bucket_bytes = [], 0
+        for index in reversed(range(len(self._parameters))):
+            parameter = self._parameters[index][1]
+            bucket.append(index)
+            bucket_bytes += parameter.numel() * parameter.element_size()
+            if bucket_bytes >= bucket_cap_mb * 2**20:
+                self._buckets.append(bucket)
+                bucket, bucket_bytes = [], 0
+        if bucket:
+            self._buckets.append(bucket)
+        self._bucket_of = {index: b for b, bucket in enumerate(self._buckets) for index in bucket}
+        self._ready: dict[int, torch.Tensor] = {}
         self._in_flight: dict[int, torch.futures.Future] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in
                        enumerate(self._parameters)]
         self.pull()
 
     def _hook(self, index: int):
-        def push(parameter: torch.Tensor) -> None:
-            if index in self._in_flight:
+        def gradient_ready(parameter: torch.Tensor) -> None:
+            if index in self._ready:
                 raise RuntimeError(f"RemoteParameters: parameter '{self._parameters[index][0]}' got a second "
                                    "gradient before step(); call step() after each backward")
-            self._in_flight[index] = self._client.push_pull([self._tables[index]], [parameter.grad])
-        return push
+            self._ready[index] = parameter.grad
+            bucket = self._bucket_of[index]
+            if all(i in self._ready for i in self._buckets[bucket]):
+                self._launch(bucket)
+        return gradient_ready
+
+    def _launch(self, bucket: int) -> None:
+        indices = self._buckets[bucket]
+        grads = [self._ready.get(i) for i in indices]
+        # A parameter without a gradient pushes zeros: every table ticks every clock.
+        grads = [g if g is not None else torch.zeros_like(self._parameters[i][1]) for g, i in zip(grads, indices)]
+        self._in_flight[bucket] = self._client.push_pull([self._tables[i] for i in indices], grads)
 
     @property
     def clock(self) -> int:
@@ -169,17 +196,21 @@ class RemoteParameters:
         return min(self._client.clock(t) for t in self._tables) if self._tables else 0
 
     def step(self) -> None:
-        """Waits for the servers' new values; parameters without a gradient push zeros (every table ticks)."""
-        for index, (_, parameter) in enumerate(self._parameters):
-            if index not in self._in_flight:
-                grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
-                self._in_flight[index] = self._client.push_pull([self._tables[index]], [grad])
+        """Sends what backward has not, waits for the servers' new values and writes them into the module."""
+        for bucket in range(len(self._buckets)):
+            if bucket not in self._in_flight:
+                for index in self._buckets[bucket]:
+                    if index not in self._ready:
+                        self._ready[index] = self._parameters[index][1].grad
+                self._launch(bucket)
         in_flight, self._in_flight = self._in_flight, {}
+        self._ready.clear()
         with torch.no_grad():
-            for index, future in sorted(in_flight.items()):
-                _, parameter = self._parameters[index]
-                parameter.copy_(future.wait()[0])
-                parameter.grad = None
+            for bucket, future in sorted(in_flight.items()):
+                for index, value in zip(self._buckets[bucket], future.wait()):
+                    _, parameter = self._parameters[index]
+                    parameter.copy_(value)
+                    parameter.grad = None
 
     def pull(self) -> None:
         """Copies the servers' current values into the parameters."""

@@ -222,7 +222,9 @@ class Payload:
         return self
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8) if self.data else torch.empty(0, dtype=torch.uint8)
+        if not self.data:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
 
 
 def dense_payload(items) -> Payload:

@@ -9,7 +9,6 @@ round applies the workers' mean in worker order) or against exact arithmetic (in
 import os
 import pathlib
 import random
-import re
 import time
 import types
 
@@ -344,8 +343,9 @@ def test_a_killed_worker_is_dropped_and_the_others_finish(tmp_path, consistency)
     assert clock0 == clock1 == LOSS_STEPS
     assert stats["lost_workers"] == [2]
     # BSP holds round 2, SSP (staleness 1) holds clock 3 for worker 2 until it is dropped: both wait for it.
-    lost = "worker 2 (rank 2) lost: its connection broke" + (".*continuing with 2 workers" if consistency != "asp" else "")
-    assert any(re.search(lost, line) for line in warnings), warnings
+    lost = [line for line in warnings if "worker 2 (rank 2) lost: its connection broke" in line]
+    assert len(lost) == 1, warnings
+    assert consistency == "asp" or lost[0].endswith("continuing with 2 workers"), lost
     if consistency == "bsp":
         # Rounds 0-1: the mean of 1, 2, 3; rounds 2-5: the mean of the remaining workers' 1 and 2.
         expected = -(DIES_AT_STEP * 2.0 + (LOSS_STEPS - DIES_AT_STEP) * 1.5)
@@ -381,7 +381,8 @@ def stop_pushing(rank, world, flags):
     for _ in range(3):
         start = time.monotonic()
         client.push([w], [torch.ones(4)]).wait()
-        # The pull goes out a moment after the push so that its own deadline ends well after the round's.
+        # The pull goes out a moment after the push: a request's deadline is the same timeout as the round's,
+        # so a push_pull sent as the round opens would race worker 1's drop (and may time out first).
         time.sleep(1.0)
         client.pull([w]).wait()
         seconds.append(time.monotonic() - start)
@@ -413,13 +414,12 @@ F32, F64 = DTYPE_CODE[torch.float32], DTYPE_CODE[torch.float64]
 GARBAGE_KINDS = [Kind.REGISTER_DENSE, Kind.REGISTER_SPARSE, Kind.PULL, Kind.PUSH, Kind.PUSH_PULL, Kind.PULL_ROWS,
                  Kind.PUSH_ROWS, Kind.SET_LEARNING_RATE, Kind.CHECKPOINT]
 
-# label: text every refusal's message contains
+# label: text (or texts) every refusal's message contains
 EXPECTED_REFUSALS = {
     "unknown table (raw pull)": "unknown table id 99 (server 0 holds 2 tables)",
     "unknown table (raw push_rows)": "unknown table id 99",
-    "wrong element count (raw push)": "push to table 'w' (shape [6]; server 0 holds elements [0, 6)): 5 elements, "
-                                      "expected 6",
-    "wrong shape (client push)": "push to table 'w' (shape [6]): a gradient of shape [5]",
+    "wrong element count (raw push)": "server 0 holds elements [0, 6)): 5 elements, expected 6",
+    "wrong shape (client push)": ("push to table 'w' (shape ", "a gradient of shape [5]"),
     "wrong dtype (client push)": "gradient dtype Double, the table holds Float",
     "wrong dtype (raw push)": "push to table 'w': dtype Double, the table holds Float",
     "unknown dtype code (raw push)": "unknown dtype code 3 (1: float32, 2: float64)",
@@ -432,7 +432,8 @@ EXPECTED_REFUSALS = {
     "bytes left over (raw push)": "8 bytes left over after the last field",
     "garbage bytes": "torchpar.ps server 0 refused",
     "unknown message kind": "unknown request kind",
-    "dense table re-registered with another shape": "table 'w' registered as Float[7]",
+    "dense table re-registered with another shape": ("table 'w' registered as Float", "(shard [0, 7)), but it is Float",
+                                                     "(shard [0, 6))"),
     "dense table re-registered with another optimizer": "registered with optimizer Adam",
     "sparse table re-registered with another width": "sparse table 'e' registered with 10 rows of 4",
     "sparse registration of a dense table's name": "table 'w' is already registered as a dense table",
@@ -555,8 +556,10 @@ def bad_input_job(tmp_path_factory):
 def test_bad_input_is_refused_with_the_reason_and_the_server_keeps_serving(bad_input_job, label):
     (_, messages), (_, served), (_, stats) = outcome_values(bad_input_job, [0, 1, 2])
     assert sorted(messages) == sorted(EXPECTED_REFUSALS)
+    expected = EXPECTED_REFUSALS[label]
     for message in messages[label]:
-        assert EXPECTED_REFUSALS[label] in message, message
+        for text in (expected,) if isinstance(expected, str) else expected:
+            assert text in message, message
     assert served > 0  # worker 1's pulls were answered all along
     assert stats["lost_workers"] == []  # nobody was dropped for a bad request
 

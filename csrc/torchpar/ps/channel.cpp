@@ -13,6 +13,23 @@ namespace {
 // Liveness comes from broken connections and the requests' own deadlines, not from how long a
 // peer stays quiet: a worker may compute for hours between two pushes.
 constexpr std::chrono::milliseconds kQuietPeerWait = std::chrono::hours(24 * 365);
+// Tags from a direction's base: the frame, a payload of a size without a slot, then the slots.
+constexpr int kFreshPayloadTag = 1;
+constexpr int kFirstSlotTag = 2;
+constexpr size_t kSlots = kTagsPerDirection - kFirstSlotTag;
+constexpr int64_t kLargestSlotBytes = int64_t{64} << 20;
+
+// The slot of `bytes` in `sizes`, adding it while slots are free; -1 when it has none.
+int slot_of(std::vector<int64_t>& sizes, int64_t bytes, bool* added) {
+  *added = false;
+  for (size_t slot = 0; slot < sizes.size(); ++slot) {
+    if (sizes[slot] == bytes) return static_cast<int>(slot);
+  }
+  if (sizes.size() == kSlots || bytes > kLargestSlotBytes) return -1;
+  sizes.push_back(bytes);
+  *added = true;
+  return static_cast<int>(sizes.size()) - 1;
+}
 
 } // namespace
 
@@ -53,6 +70,9 @@ Channel::~Channel() {
     }
   }
   receiver_.join();
+  for (auto& [buffer, work] : slot_receives_) {
+    work->abort();
+  }
 }
 
 void Channel::send(const Message& message) {
@@ -72,8 +92,11 @@ void Channel::send(const Message& message) {
     try {
       in_flight_.push_back(group_->send(frame, peer_, outgoing_tag_));
       if (!inline_payload) {
+        bool added = false;
+        const int slot = slot_of(sent_slot_sizes_, message.frame.payload_bytes, &added);
+        const int tag = outgoing_tag_ + (slot < 0 || added ? kFreshPayloadTag : kFirstSlotTag + slot);
         std::vector<at::Tensor> payload{message.payload};
-        in_flight_.push_back(group_->send(payload, peer_, outgoing_tag_ + 1));
+        in_flight_.push_back(group_->send(payload, peer_, tag));
       }
     } catch (const std::exception& error) {
       failure = error.what();
@@ -130,6 +153,41 @@ void Channel::receive(std::vector<at::Tensor>& buffer, int tag) {
   work->wait(kQuietPeerWait);
 }
 
+void Channel::post_slot_receive(size_t slot) {
+  std::vector<at::Tensor> buffer{at::empty({received_slot_sizes_[slot]}, at::kByte)};
+  auto work = group_->recv(buffer, peer_, incoming_tag_ + kFirstSlotTag + static_cast<int>(slot));
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (slot == slot_receives_.size()) {
+    slot_receives_.emplace_back(buffer[0], work);
+  } else {
+    slot_receives_[slot] = {buffer[0], work};
+  }
+}
+
+at::Tensor Channel::receive_payload(int64_t bytes) {
+  bool added = false;
+  const int slot = slot_of(received_slot_sizes_, bytes, &added);
+  if (slot >= 0 && !added) {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor payload;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      TORCH_CHECK(!stopping_, "torchpar.ps: channel to rank ", peer_, " closed");
+      std::tie(payload, work) = slot_receives_[slot];
+      pending_receive_ = work;
+    }
+    work->wait(kQuietPeerWait);
+    post_slot_receive(slot);
+    return payload;
+  }
+  std::vector<at::Tensor> payload{at::empty({bytes}, at::kByte)};
+  receive(payload, incoming_tag_ + kFreshPayloadTag);
+  if (added) {
+    post_slot_receive(slot);
+  }
+  return payload[0];
+}
+
 void Channel::receive_loop() {
   while (true) {
     Message message;
@@ -138,9 +196,7 @@ void Channel::receive_loop() {
       receive(frame, incoming_tag_);
       message.frame = decode_frame(reinterpret_cast<const int64_t*>(frame[0].const_data_ptr()));
       if (message.frame.payload_bytes > Frame::kInlineBytes) {
-        std::vector<at::Tensor> payload{at::empty({message.frame.payload_bytes}, at::kByte)};
-        receive(payload, incoming_tag_ + 1);
-        message.payload = payload[0];
+        message.payload = receive_payload(message.frame.payload_bytes);
       } else if (message.frame.payload_bytes > 0) {
         message.payload = frame[0].narrow(0, Frame::kFields * 8, message.frame.payload_bytes);
       }

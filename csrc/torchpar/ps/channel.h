@@ -22,9 +22,10 @@ class Work;
 
 namespace torchpar::ps {
 
-// Tags of the two directions (each uses the tag and the next one: frame, large payload).
+// Tags of the two directions; each uses kTagsPerDirection from its base (frame, payloads).
+constexpr int kTagsPerDirection = 16;
 constexpr int kRequestTag = 0x50530;
-constexpr int kReplyTag = 0x50532;
+constexpr int kReplyTag = kRequestTag + kTagsPerDirection;
 
 struct Message {
   Frame frame;
@@ -52,6 +53,8 @@ class Channel {
   void wait_loop();
   void receive_loop();
   void receive(std::vector<at::Tensor>& buffer, int tag);
+  at::Tensor receive_payload(int64_t bytes);
+  void post_slot_receive(size_t slot);
   void fail(const std::string& reason);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
@@ -67,6 +70,13 @@ class Channel {
   bool stopping_ = false;
   bool failed_ = false;
   c10::intrusive_ptr<c10d::Work> pending_receive_;
+  // Payloads too large for the frame: the first few sizes each get a tag ("slot") on which the
+  // receiver keeps a receive of that size posted, so a payload of a size seen before moves at once
+  // instead of waiting for its receive to be posted (a round trip). Both ends see the same sizes
+  // in the same order, so they assign the same slots.
+  std::vector<int64_t> sent_slot_sizes_;
+  std::vector<int64_t> received_slot_sizes_;
+  std::vector<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> slot_receives_;
   std::thread waiter_;
   std::thread receiver_;
 };

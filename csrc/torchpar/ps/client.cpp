@@ -368,7 +368,7 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
   const bool reading = kind != MessageKind::Push;
   const char* operation = kind_name(kind);
   std::vector<at::Tensor> flat_grads;
-  std::vector<at::Tensor> outputs;
+  auto outputs = std::make_shared<std::vector<at::Tensor>>();
   std::string what = std::string(operation) + " of";
   // Clocks are assigned and messages queued in one go, so a server sees each table's pushes in clock order.
   std::lock_guard<std::mutex> order(send_order_);
@@ -388,13 +388,13 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
                   c10::toString(t.dtype));
       flat_grads.push_back(grad.detach().contiguous().view(-1).cpu());
     }
-    if (reading) outputs.push_back(at::empty(t.shape, at::TensorOptions().dtype(t.dtype)));
+    if (reading) outputs->push_back(at::empty(t.shape, at::TensorOptions().dtype(t.dtype)));
   }
   auto gather = std::make_shared<Gather>(reading ? c10::TypePtr(c10::ListType::ofTensors())
                                                  : c10::TypePtr(c10::NoneType::get()));
   gather->result = [outputs]() -> c10::IValue {
-    if (outputs.empty()) return c10::IValue();
-    return c10::IValue(c10::List<at::Tensor>(outputs));
+    if (outputs->empty()) return c10::IValue();
+    return c10::IValue(c10::List<at::Tensor>(*outputs));
   };
   struct Part {
     int server;
@@ -436,10 +436,17 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
             WireReader reader(reply.payload.defined() ? reply.payload.data_ptr<uint8_t>() : nullptr,
                               static_cast<size_t>(reply.frame.payload_bytes));
             for (const auto& [index, begin, n] : reads) {
-              auto& output = outputs[index];
+              auto& output = (*outputs)[index];
               const size_t bytes = n * output.element_size();
-              std::memcpy(static_cast<uint8_t*>(output.data_ptr()) + begin * output.element_size(),
-                          reader.get_data(bytes, "values"), bytes);
+              const auto* data = reader.get_data(bytes, "values");
+              if (n == output.numel()) {
+                // One server holds the whole table: its reply is the tensor, no copy.
+                auto payload = reply.payload;
+                output = at::from_blob(
+                    const_cast<uint8_t*>(data), output.sizes(), [payload](void*) {}, output.options());
+              } else {
+                std::memcpy(static_cast<uint8_t*>(output.data_ptr()) + begin * output.element_size(), data, bytes);
+              }
             }
             reader.expect_end();
           }

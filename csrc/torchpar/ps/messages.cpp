@@ -150,6 +150,11 @@ Request decode_request(MessageKind kind, const uint8_t* payload, size_t size) {
 }
 
 void encode_dense_items(WireWriter& writer, const std::vector<DenseItem>& items, bool with_data) {
+  size_t bytes = 4;
+  for (const auto& item : items) {
+    bytes += 40 + (with_data ? item.numel * c10::elementSize(item.dtype) : 0);
+  }
+  writer.reserve(writer.size() + bytes);
   writer.put<uint32_t>(static_cast<uint32_t>(items.size()));
   for (const auto& item : items) {
     writer.put<uint32_t>(item.table);
@@ -163,6 +168,11 @@ void encode_dense_items(WireWriter& writer, const std::vector<DenseItem>& items,
 }
 
 void encode_rows_items(WireWriter& writer, const std::vector<RowsItem>& items, bool with_data) {
+  size_t bytes = 4;
+  for (const auto& item : items) {
+    bytes += 56 + item.count * (8 + (with_data ? item.dim * c10::elementSize(item.dtype) : 0));
+  }
+  writer.reserve(writer.size() + bytes);
   writer.put<uint32_t>(static_cast<uint32_t>(items.size()));
   for (const auto& item : items) {
     writer.put<uint32_t>(item.table);

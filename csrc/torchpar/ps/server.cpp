@@ -348,18 +348,19 @@ void Server::check_items(int worker, const Request& request) {
 void Server::apply_pushes(int worker, const Request& request) {
   if (request.kind == MessageKind::Push || request.kind == MessageKind::PushPull) {
     for (const auto& item : request.dense) {
-      auto grads = at::from_blob(const_cast<uint8_t*>(item.data), {item.numel}, item.dtype).clone();
+      auto grads = at::from_blob(const_cast<uint8_t*>(item.data), {item.numel}, item.dtype);
       contribute(worker, table(item.table), at::Tensor(), std::move(grads));
     }
   } else if (request.kind == MessageKind::PushRows) {
     for (const auto& item : request.rows) {
-      auto ids = at::from_blob(const_cast<int64_t*>(item.ids), {item.count}, at::kLong).clone();
-      auto grads = at::from_blob(const_cast<uint8_t*>(item.data), {item.count, item.dim}, item.dtype).clone();
+      auto ids = at::from_blob(const_cast<int64_t*>(item.ids), {item.count}, at::kLong);
+      auto grads = at::from_blob(const_cast<uint8_t*>(item.data), {item.count, item.dim}, item.dtype);
       contribute(worker, table(item.table), std::move(ids), std::move(grads));
     }
   }
 }
 
+// `ids` and `grads` point into the request: applied at once, or copied to wait for their round.
 void Server::contribute(int worker, Table& table, at::Tensor ids, at::Tensor grads) {
   const int64_t clock = table.pushes[worker]++;
   if (options_.consistency != Consistency::BSP) {
@@ -373,7 +374,7 @@ void Server::contribute(int worker, Table& table, at::Tensor ids, at::Tensor gra
     round.contributions.resize(num_workers());
     round.opened = Clock::now();
   }
-  round.contributions[worker] = std::make_pair(std::move(ids), std::move(grads));
+  round.contributions[worker] = std::make_pair(ids.defined() ? ids.clone() : ids, grads.clone());
   round.count += 1;
 }
 
@@ -398,6 +399,10 @@ bool Server::readable(int worker, const Request& request) {
 
 void Server::answer_reads(int worker, int64_t id, const Request& request) {
   WireWriter writer;
+  size_t bytes = 0;
+  for (const auto& item : request.dense) bytes += 8 + item.numel * c10::elementSize(item.dtype);
+  for (const auto& item : request.rows) bytes += 8 + item.count * item.dim * c10::elementSize(item.dtype);
+  writer.reserve(bytes);
   const int64_t ahead = request.kind == MessageKind::PushPull ? 1 : 0;
   for (const auto& item : request.dense) {
     const auto& t = static_cast<const DenseTable&>(*tables_[item.table]);

@@ -57,6 +57,7 @@ class WireWriter {
   // Tensor data starts on an 8-byte boundary so the receiver can use it in place.
   void put_data(const void* data, size_t bytes);
   void append(const void* data, size_t bytes);
+  void reserve(size_t bytes) { bytes_.reserve(bytes); }
   std::vector<uint8_t> release() { return std::move(bytes_); }
   size_t size() const { return bytes_.size(); }
 
