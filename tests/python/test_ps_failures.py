@@ -205,7 +205,9 @@ def test_a_worker_killed_after_the_checkpoint_is_dropped_and_the_restart_restore
 def test_a_server_killed_after_the_checkpoint_restarts_exactly_and_resumes_as_if_never_stopped(checkpointed):
     assert_killed(checkpointed.bsp[3])
     (reference, (values, _)), (_, (values1, _)), (_, stats0) = outcome_values(checkpointed.bsp, [0, 1, 2])
-    assert stats0["lost_workers"] == []
+    # Having seen server 1 die, the workers leave without a clean finish: server 0 counts them lost and
+    # keeps the checkpoint of client.checkpoint() instead of writing one at the end.
+    assert sorted(stats0["lost_workers"]) == [0, 1]
     assert_bitwise_equal(values1["dense"], values["dense"], "the two workers' pulls")
     assert values["clocks"] == (K, K) and reference["clocks"] == (2 * K, 2 * K)
     for _, (restored, continued) in outcome_values(checkpointed.restarted, [0, 1]):
@@ -432,6 +434,7 @@ EXPECTED_REFUSALS = {
     "bytes left over (raw push)": "8 bytes left over after the last field",
     "garbage bytes": "torchpar.ps server 0 refused",
     "unknown message kind": "unknown request kind",
+    "malformed finish": "left over",
     "dense table re-registered with another shape": ("table 'w' registered as Float", "(shard [0, 7)), but it is Float",
                                                      "(shard [0, 6))"),
     "dense table re-registered with another optimizer": "registered with optimizer Adam",
@@ -494,6 +497,8 @@ def refusals(client, w, e):
                                                      dtype=torch.uint8))
                                for kind in GARBAGE_KINDS for _ in range(4)])
     refused("unknown message kind", *[raw(kind, valid_push()) for kind in (77, 0, -3, 100, 101, 102)])
+    # A finish with a payload is malformed: refused, and the worker's later requests are still read.
+    refused("malformed finish", raw(Kind.FINISH, torch.tensor([1, 2, 3], dtype=torch.uint8)))
     refused("dense table re-registered with another shape",
             lambda: client.dense_table("w", torch.zeros(7), ps.SGD(lr=1.0)))
     refused("dense table re-registered with another optimizer",

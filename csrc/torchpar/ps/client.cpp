@@ -126,7 +126,12 @@ int64_t Client::send_request(int server, MessageKind kind, std::vector<uint8_t> 
     } else if (!server_failures_[server].empty()) {
       refusal = "torchpar.ps: " + what + ": " + server_name(server) + " failed earlier: " + server_failures_[server];
     } else {
-      pending_.emplace(id, Pending{server, what, std::chrono::steady_clock::now(), std::move(on_reply), on_error});
+      // A read may wait for a BSP round, which the server closes (dropping the late worker) after the
+      // timeout: a read's deadline leaves it the time to.
+      const bool reads = kind == MessageKind::Pull || kind == MessageKind::PushPull || kind == MessageKind::PullRows;
+      const auto deadline = reads ? timeout_ + std::max(timeout_ / 2, std::chrono::milliseconds(2000)) : timeout_;
+      pending_.emplace(id,
+                       Pending{server, what, std::chrono::steady_clock::now(), deadline, std::move(on_reply), on_error});
     }
   }
   if (!refusal.empty()) {
@@ -204,7 +209,7 @@ void Client::watch_deadlines() {
     const auto now = std::chrono::steady_clock::now();
     std::vector<Pending> expired;
     for (auto it = pending_.begin(); it != pending_.end();) {
-      if (now - it->second.sent > timeout_) {
+      if (now - it->second.sent > it->second.deadline) {
         expired.push_back(std::move(it->second));
         it = pending_.erase(it);
       } else {
@@ -214,7 +219,7 @@ void Client::watch_deadlines() {
     lock.unlock();
     for (auto& pending : expired) {
       pending.on_error("torchpar.ps: " + server_name(pending.server) + " did not answer " + pending.what +
-                       " within the timeout (" + std::to_string(timeout_.count()) + " ms)");
+                       " within " + std::to_string(pending.deadline.count()) + " ms");
     }
     lock.lock();
   }
@@ -381,7 +386,7 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
     if (pushing) {
       const auto& grad = grads[i];
       TORCH_CHECK(grad.defined() && grad.numel() == t.numel, "torchpar.ps: ", operation, " to table '", t.name,
-                  "' (shape ", t.shape, "): a gradient of shape ",
+                  "' (shape ", c10::IntArrayRef(t.shape), "): a gradient of shape ",
                   grad.defined() ? c10::str(grad.sizes()) : std::string("undefined"));
       TORCH_CHECK(grad.scalar_type() == t.dtype, "torchpar.ps: ", operation, " to table '", t.name,
                   "': gradient dtype ", c10::toString(grad.scalar_type()), ", the table holds ",
@@ -627,12 +632,20 @@ void Client::finish() {
     if (finished_) return;
     finished_ = true;
   }
-  for (int s = 0; s < num_servers(); ++s) {
+  bool server_lost = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& failure : server_failures_) server_lost = server_lost || !failure.empty();
+  }
+  // After a server died the job is broken: the others see this worker's connection close instead of a
+  // clean finish, and keep their last consistent checkpoint rather than write one at the end.
+  for (int s = 0; s < num_servers() && !server_lost; ++s) {
     channels_[s]->send(make_message(MessageKind::Finish, next_request_++, {}));
   }
   {
     std::unique_lock<std::mutex> lock(mutex_);
     done_.wait_for(lock, timeout_, [&] {
+      if (server_lost) return true;
       for (int s = 0; s < num_servers(); ++s) {
         if (!server_done_[s] && server_failures_[s].empty()) return false;
       }

@@ -72,6 +72,7 @@ class Client {
     int server;
     std::string what;
     std::chrono::steady_clock::time_point sent;
+    std::chrono::milliseconds deadline;
     std::function<void(const Message&)> on_reply; // on the receiving thread
     std::function<void(const std::string&)> on_error;
   };

@@ -113,6 +113,7 @@ class Server {
   void write_checkpoint(const std::vector<c10::IValue>& tables, const std::string& why);
   void take_periodic_snapshot(Table& table);
   void restore_checkpoint();
+  void restore_table(Table& table, const c10::impl::GenericDict& state);
 
   void send(int worker, Message message);
   void reply_ok(int worker, int64_t id, std::vector<uint8_t> payload = {});
@@ -196,7 +197,8 @@ ServerSummary Server::run() {
     channels_.push_back(std::make_unique<Channel>(
         group_, worker_ranks_[w], kReplyTag, kRequestTag,
         [w, deliver](Message&& message) {
-          const bool last = message.frame.kind == MessageKind::Finish;
+          // Only a well-formed finish ends the worker's requests; a malformed one is refused like any other.
+          const bool last = message.frame.kind == MessageKind::Finish && message.frame.payload_bytes == 0;
           deliver(Event{w, std::move(message), {}});
           return !last;
         },
@@ -214,7 +216,10 @@ ServerSummary Server::run() {
       next_stats = Clock::now() + options_.stats_interval;
     }
   }
-  if (!options_.checkpoint_dir.empty() && !tables_.empty()) {
+  // Only a clean end is worth a checkpoint: when every worker was lost (a crash, a dead server), the
+  // last periodic or requested checkpoint is the one all servers agree on.
+  if (!options_.checkpoint_dir.empty() && !tables_.empty() &&
+      std::count(states_.begin(), states_.end(), WorkerState::Finished) > 0) {
     write_checkpoint(snapshot_tables(), "at the end");
   }
   log_stats();
@@ -317,7 +322,7 @@ void Server::check_items(int worker, const Request& request) {
     const auto& dense = static_cast<const DenseTable&>(t);
     TORCH_CHECK(item.dtype == t.dtype(), verb, " table '", t.name(), "': dtype ", c10::toString(item.dtype),
                 ", the table holds ", c10::toString(t.dtype()));
-    TORCH_CHECK(item.numel == dense.numel(), verb, " table '", t.name(), "' (shape ", dense.shape(), "; server ",
+    TORCH_CHECK(item.numel == dense.numel(), verb, " table '", t.name(), "' (shape ", c10::IntArrayRef(dense.shape()), "; server ",
                 index_, " holds elements [", dense.shard_begin(), ", ", dense.shard_end(), ")): ", item.numel,
                 " elements, expected ", dense.numel());
     if (pushes) {
@@ -561,7 +566,7 @@ void Server::register_dense(int worker, int64_t id, const DenseRegistration& reg
                                               num_workers());
     bool restored = false;
     if (auto saved = restored_.find(registration.name); saved != restored_.end()) {
-      table->restore(saved->second);
+      restore_table(*table, saved->second);
       restored = true;
     }
     table_ids_[registration.name] = static_cast<uint32_t>(tables_.size());
@@ -593,9 +598,9 @@ void Server::check_registration(const DenseRegistration& registration) {
   TORCH_CHECK(dense.shape() == registration.shape && dense.dtype() == registration.dtype &&
                   dense.shard_begin() == registration.shard_begin && dense.shard_end() == registration.shard_end,
               "table '", registration.name, "' registered as ", c10::toString(registration.dtype),
-              registration.shape, " (shard [", registration.shard_begin, ", ", registration.shard_end,
-              ")), but it is ", c10::toString(dense.dtype()), dense.shape(), " (shard [", dense.shard_begin(), ", ",
-              dense.shard_end(), "))");
+              c10::IntArrayRef(registration.shape), " (shard [", registration.shard_begin, ", ",
+              registration.shard_end, ")), but it is ", c10::toString(dense.dtype()),
+              c10::IntArrayRef(dense.shape()), " (shard [", dense.shard_begin(), ", ", dense.shard_end(), "))");
   TORCH_CHECK(t.optimizer().kind == registration.optimizer.kind, "table '", registration.name,
               "' registered with optimizer ", registration.optimizer.describe(), ", but it has ",
               t.optimizer().describe());
@@ -609,7 +614,7 @@ void Server::register_sparse(int worker, int64_t id, const SparseRegistration& r
                                                num_workers());
     bool restored = false;
     if (auto saved = restored_.find(registration.name); saved != restored_.end()) {
-      table->restore(saved->second);
+      restore_table(*table, saved->second);
       restored = true;
     }
     table_ids_[registration.name] = static_cast<uint32_t>(tables_.size());
@@ -680,6 +685,17 @@ void Server::write_checkpoint(const std::vector<c10::IValue>& tables, const std:
   const auto path = checkpoint_path(options_.checkpoint_dir, index_, num_servers_);
   write_checkpoint_file(path, state);
   info("checkpoint " + why + " written to " + path);
+}
+
+void Server::restore_table(Table& table, const c10::impl::GenericDict& state) {
+  table.restore(state);
+  if (options_.consistency == Consistency::BSP) {
+    // BSP rounds need every worker at the table's round: a checkpoint of an ASP / SSP job (or one
+    // with a worker ahead) resumes from its slowest worker's clock.
+    const int64_t slowest = *std::min_element(table.pushes.begin(), table.pushes.end());
+    table.applied = slowest;
+    std::fill(table.pushes.begin(), table.pushes.end(), slowest);
+  }
 }
 
 void Server::restore_checkpoint() {
