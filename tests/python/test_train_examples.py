@@ -70,6 +70,19 @@ def test_python_train_pipeline_reaches_95_percent(digits, free_port, ranks, opti
     assert pipeline_accuracy(result.stdout, ranks, stages) >= 95.0
 
 
+@pytest.mark.parametrize("ranks,options", [(3, ["--consistency", "bsp"]),
+                                           (4, ["--consistency", "ssp", "--staleness", "2", "--servers", "2"])],
+                         ids=["bsp-1server", "ssp-2servers"])
+def test_cpp_train_ps_reaches_95_percent(build_dir, digits, free_port, ranks, options):
+    binary = build_dir / "examples" / "cpp" / "train_ps"
+    result = torchrun(f"--nproc-per-node={ranks}", f"--master-port={free_port}", "--no-python", binary,
+                      "--data", digits, "--epochs", "10", *options)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert accuracy_in(result.stdout) >= 95.0
+    servers = ranks - 2
+    assert result.stderr.count("worker clocks [done, done]") >= servers, result.stderr  # each server's last stats
+
+
 PS_TRAINED = re.compile(r"(\d+) steps of 2 workers")
 PS_RESUMED = re.compile(r"resuming from the servers' checkpoint at step (\d+) of (\d+)")
 

@@ -86,7 +86,7 @@ void Channel::send(const Message& message) {
   std::string failure;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (failed_) {
+    if (failed_ || !unreported_failure_.empty()) {
       return;
     }
     try {
@@ -102,11 +102,12 @@ void Channel::send(const Message& message) {
       failure = error.what();
     }
   }
-  if (failure.empty()) {
-    posted_.notify_one();
-  } else {
-    fail(failure);
+  if (!failure.empty()) {
+    // Reported by the waiter thread: the caller may hold a lock the failure callback takes.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (unreported_failure_.empty()) unreported_failure_ = failure;
   }
+  posted_.notify_one();
 }
 
 void Channel::fail(const std::string& reason) {
@@ -125,7 +126,13 @@ void Channel::wait_loop() {
     c10::intrusive_ptr<c10d::Work> work;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      posted_.wait(lock, [&] { return !in_flight_.empty() || stopping_ || failed_; });
+      posted_.wait(lock, [&] { return !in_flight_.empty() || stopping_ || failed_ || !unreported_failure_.empty(); });
+      if (!unreported_failure_.empty()) {
+        const std::string reason = unreported_failure_;
+        lock.unlock();
+        fail(reason);
+        return;
+      }
       if (in_flight_.empty() || failed_) {
         return;
       }

@@ -69,6 +69,7 @@ class Channel {
   std::deque<c10::intrusive_ptr<c10d::Work>> in_flight_; // sends posted, not yet waited for
   bool stopping_ = false;
   bool failed_ = false;
+  std::string unreported_failure_; // a send failed in send(); the waiter thread reports it
   c10::intrusive_ptr<c10d::Work> pending_receive_;
   // Payloads too large for the frame: the first few sizes each get a tag ("slot") on which the
   // receiver keeps a receive of that size posted, so a payload of a size seen before moves at once

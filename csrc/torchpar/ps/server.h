@@ -2,7 +2,8 @@
 // A parameter server: holds its shard of every table, answers workers' requests, applies their
 // gradients through the tables' optimizers under the chosen consistency model, checkpoints, and
 // keeps serving while workers come and go (a worker that dies is dropped; one that finishes is
-// let go). One thread decides everything; channels only move bytes.
+// let go). Each channel's receiving thread handles its worker's requests under the server's one
+// lock; the calling thread keeps the timers (statistics, BSP drops).
 #include <torchpar/ps/config.h>
 
 #include <c10/util/intrusive_ptr.h>
