@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 from typing import Optional, Union
 
 import torch
@@ -168,6 +169,7 @@ class RemoteParameters:
         self._bucket_of = {index: b for b, bucket in enumerate(self._buckets) for index in bucket}
         self._ready: dict[int, torch.Tensor] = {}
         self._in_flight: dict[int, torch.futures.Future] = {}
+        self._lock = threading.Lock()  # hooks may run on several autograd threads (one per device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in
                        enumerate(self._parameters)]
         self.pull()
@@ -177,10 +179,11 @@ class RemoteParameters:
             if index in self._ready:
                 raise RuntimeError(f"RemoteParameters: parameter '{self._parameters[index][0]}' got a second "
                                    "gradient before step(); call step() after each backward")
-            self._ready[index] = parameter.grad
-            bucket = self._bucket_of[index]
-            if all(i in self._ready for i in self._buckets[bucket]):
-                self._launch(bucket)
+            with self._lock:
+                self._ready[index] = parameter.grad
+                bucket = self._bucket_of[index]
+                if bucket not in self._in_flight and all(i in self._ready for i in self._buckets[bucket]):
+                    self._launch(bucket)
         return gradient_ready
 
     def _launch(self, bucket: int) -> None:
@@ -246,16 +249,16 @@ class Embedding(nn.Module):
         self.num_rows, self.dim = num_rows, dim
         self.table = client.sparse_table(name, num_rows, dim, optimizer or Adagrad(0.1),
                                          initializer or zeros(), dtype)
-        self._last_push: Optional[torch.futures.Future] = None
+        self._pushes: list[torch.futures.Future] = []
 
     def flush(self) -> None:
-        """Waits for the last backward's push; its error, if any, is raised here."""
-        push, self._last_push = self._last_push, None
-        if push is not None:
+        """Waits for the pushes of the backwards so far; the first error, if any, is raised here."""
+        pushes, self._pushes = self._pushes, []
+        for push in pushes:
             push.wait()
 
     def _push(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        self._last_push = self._client.push_rows([self.table], [ids], [grad])
+        self._pushes.append(self._client.push_rows([self.table], [ids], [grad]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self.flush()

@@ -17,6 +17,16 @@ namespace ps = torchpar::ps;
 
 namespace {
 
+// The service's destructor finishes the worker and joins its channels' threads, which may be running a
+// Python future callback that needs the GIL: it runs without it.
+struct ReleaseGilDelete {
+  void operator()(ps::ParameterService* service) const {
+    py::gil_scoped_release release;
+    delete service;
+  }
+};
+using ServiceHolder = std::unique_ptr<ps::ParameterService, ReleaseGilDelete>;
+
 std::shared_ptr<torch::jit::PythonFutureWrapper> wrap(ps::Future future) {
   return std::make_shared<torch::jit::PythonFutureWrapper>(std::move(future));
 }
@@ -113,7 +123,7 @@ void bind_ps(py::module_& module) {
       .def_property_readonly("num_servers", &ps::Client::num_servers)
       .def_property_readonly("worker_index", &ps::Client::worker_index);
 
-  py::class_<ps::ParameterService>(m, "ParameterService")
+  py::class_<ps::ParameterService, ServiceHolder>(m, "ParameterService")
       .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& world, int num_servers,
                        const std::string& consistency, int staleness, const std::string& checkpoint_dir,
                        int64_t checkpoint_every, std::optional<double> timeout_s, double stats_interval_s,
@@ -137,7 +147,7 @@ void bind_ps(py::module_& module) {
                });
              }
              py::gil_scoped_release release;
-             return std::make_unique<ps::ParameterService>(world, options);
+             return ServiceHolder(new ps::ParameterService(world, options));
            }),
            py::arg("world"), py::arg("num_servers"), py::arg("consistency"), py::arg("staleness"),
            py::arg("checkpoint_dir"), py::arg("checkpoint_every"), py::arg("timeout_s"), py::arg("stats_interval_s"),

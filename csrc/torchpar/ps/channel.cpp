@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstring>
+#include <set>
 
 namespace torchpar::ps {
 namespace {
@@ -19,13 +20,14 @@ constexpr int kFirstSlotTag = 2;
 constexpr size_t kSlots = kTagsPerDirection - kFirstSlotTag;
 constexpr int64_t kLargestSlotBytes = int64_t{64} << 20;
 
-// The slot of `bytes` in `sizes`, adding it while slots are free; -1 when it has none.
-int slot_of(std::vector<int64_t>& sizes, int64_t bytes, bool* added) {
+// The slot of `bytes` in `sizes`; a size gets one (`added`) the second time it is seen while slots
+// are free — one-off sizes (registrations) never take one. -1 when it has none.
+int slot_of(std::vector<int64_t>& sizes, std::set<int64_t>& seen_once, int64_t bytes, bool* added) {
   *added = false;
   for (size_t slot = 0; slot < sizes.size(); ++slot) {
     if (sizes[slot] == bytes) return static_cast<int>(slot);
   }
-  if (sizes.size() == kSlots || bytes > kLargestSlotBytes) return -1;
+  if (sizes.size() == kSlots || bytes > kLargestSlotBytes || seen_once.insert(bytes).second) return -1;
   sizes.push_back(bytes);
   *added = true;
   return static_cast<int>(sizes.size()) - 1;
@@ -93,7 +95,7 @@ void Channel::send(const Message& message) {
       in_flight_.push_back(group_->send(frame, peer_, outgoing_tag_));
       if (!inline_payload) {
         bool added = false;
-        const int slot = slot_of(sent_slot_sizes_, message.frame.payload_bytes, &added);
+        const int slot = slot_of(sent_slot_sizes_, sent_sizes_seen_, message.frame.payload_bytes, &added);
         const int tag = outgoing_tag_ + (slot < 0 || added ? kFreshPayloadTag : kFirstSlotTag + slot);
         std::vector<at::Tensor> payload{message.payload};
         in_flight_.push_back(group_->send(payload, peer_, tag));
@@ -173,7 +175,7 @@ void Channel::post_slot_receive(size_t slot) {
 
 at::Tensor Channel::receive_payload(int64_t bytes) {
   bool added = false;
-  const int slot = slot_of(received_slot_sizes_, bytes, &added);
+  const int slot = slot_of(received_slot_sizes_, received_sizes_seen_, bytes, &added);
   if (slot >= 0 && !added) {
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor payload;
@@ -215,7 +217,14 @@ void Channel::receive_loop() {
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopping_) return;
     }
-    if (!on_message_(std::move(message))) {
+    bool more = false;
+    try {
+      more = on_message_(std::move(message));
+    } catch (const std::exception& error) {
+      fail(std::string("handling a message failed: ") + error.what());
+      return;
+    }
+    if (!more) {
       return;
     }
   }

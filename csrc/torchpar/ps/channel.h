@@ -13,6 +13,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <thread>
 
 namespace c10d {
@@ -77,6 +78,8 @@ class Channel {
   // in the same order, so they assign the same slots.
   std::vector<int64_t> sent_slot_sizes_;
   std::vector<int64_t> received_slot_sizes_;
+  std::set<int64_t> sent_sizes_seen_;
+  std::set<int64_t> received_sizes_seen_;
   std::vector<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> slot_receives_;
   std::thread waiter_;
   std::thread receiver_;

@@ -108,6 +108,8 @@ Client::~Client() {
   } catch (const std::exception& error) {
     LOG(WARNING) << "torchpar.ps worker " << worker_index_ << ": finishing failed: " << error.what();
   }
+  // Only here: a request refused after finish() may still be looking at its channel.
+  channels_.clear();
 }
 
 std::string Client::server_name(int server) const {
@@ -118,6 +120,7 @@ int64_t Client::send_request(int server, MessageKind kind, std::vector<uint8_t> 
                              std::function<void(const Message&)> on_reply,
                              std::function<void(const std::string&)> on_error) {
   const int64_t id = next_request_++;
+  std::lock_guard<std::recursive_mutex> order(send_order_);
   std::string refusal;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -341,7 +344,7 @@ const ClientTable& Client::checked_table(int table, bool sparse, const char* ope
   return t;
 }
 
-const ClientTable& Client::table(int table) const {
+ClientTable Client::table(int table) const {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(table >= 0 && table < static_cast<int>(tables_.size()), "torchpar.ps: no table with handle ", table);
   return tables_[table];
@@ -376,7 +379,7 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
   auto outputs = std::make_shared<std::vector<at::Tensor>>();
   std::string what = std::string(operation) + " of";
   // Clocks are assigned and messages queued in one go, so a server sees each table's pushes in clock order.
-  std::lock_guard<std::mutex> order(send_order_);
+  std::lock_guard<std::recursive_mutex> order(send_order_);
   std::unique_lock<std::mutex> lock(mutex_);
   TORCH_CHECK(!pushing || grads.size() == tables.size(), "torchpar.ps: ", operation, " of ", tables.size(),
               " tables with ", grads.size(), " gradients");
@@ -483,7 +486,7 @@ Future Client::rows_operation(MessageKind kind, const std::vector<int>& tables, 
   std::vector<at::Tensor> unique_rows;   // pull: [distinct, dim], filled by the replies
   std::vector<at::Tensor> summed_grads;  // push: [distinct, dim]
   std::vector<std::vector<int64_t>> shapes;
-  std::lock_guard<std::mutex> order(send_order_);
+  std::lock_guard<std::recursive_mutex> order(send_order_);
   std::unique_lock<std::mutex> lock(mutex_);
   for (size_t i = 0; i < tables.size(); ++i) {
     const auto& t = checked_table(tables[i], true, operation);
@@ -627,6 +630,8 @@ void Client::checkpoint() {
 }
 
 void Client::finish() {
+  // Under send_order_: no request is between its checks and its sends while the finish goes out.
+  std::unique_lock<std::recursive_mutex> order(send_order_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (finished_) return;
@@ -642,6 +647,7 @@ void Client::finish() {
   for (int s = 0; s < num_servers() && !server_lost; ++s) {
     channels_[s]->send(make_message(MessageKind::Finish, next_request_++, {}));
   }
+  order.unlock(); // replies' callbacks may start requests (refused now) while we wait for the servers
   {
     std::unique_lock<std::mutex> lock(mutex_);
     done_.wait_for(lock, timeout_, [&] {
@@ -655,7 +661,14 @@ void Client::finish() {
   }
   stop_watch_.notify_all();
   watchdog_.join();
-  channels_.clear();
+  std::map<int64_t, Pending> unanswered;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    unanswered.swap(pending_);
+  }
+  for (auto& [id, pending] : unanswered) {
+    pending.on_error("torchpar.ps: " + pending.what + " was not answered before this worker finished");
+  }
 }
 
 Future Client::send_raw(int server, int64_t kind, const at::Tensor& payload) {

@@ -59,7 +59,7 @@ class Client {
 
   // Pushes made to `table` (after a restore: counted from the checkpoint's clock).
   int64_t clock(int table) const;
-  const ClientTable& table(int table) const;
+  ClientTable table(int table) const;
   int num_servers() const { return static_cast<int>(server_ranks_.size()); }
   int worker_index() const { return worker_index_; }
 
@@ -95,7 +95,7 @@ class Client {
   std::vector<int> server_ranks_;
   std::chrono::milliseconds timeout_;
 
-  std::mutex send_order_;
+  std::recursive_mutex send_order_; // held from a request's checks to its sends (operations nest it)
   mutable std::mutex mutex_;
   std::vector<ClientTable> tables_;
   std::map<int64_t, Pending> pending_;

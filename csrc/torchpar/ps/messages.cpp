@@ -102,7 +102,10 @@ Request decode_request(MessageKind kind, const uint8_t* payload, size_t size) {
       int64_t numel = 1;
       for (uint32_t d = 0; d < dims; ++d) {
         registration.shape.push_back(checked_count(reader.get<int64_t>("size"), "a table size"));
-        numel = checked_count(numel * registration.shape.back(), "a table's element count");
+        const int64_t size = registration.shape.back();
+        TORCH_CHECK(size == 0 || numel <= kMaxElements / size, "torchpar.ps: malformed message: a table of more than ",
+                    kMaxElements, " elements");
+        numel *= size;
       }
       registration.shard_begin = reader.get<int64_t>("shard begin");
       registration.shard_end = reader.get<int64_t>("shard end");

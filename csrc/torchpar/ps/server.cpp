@@ -101,9 +101,11 @@ class Server {
   bool readable(int worker, const Request& request);
   void answer_reads(int worker, int64_t id, const Request& request);
   void progress();
+  void advance();
   bool apply_full_rounds();
   void finish_checkpoint_requests();
   void lose(int worker, const std::string& reason);
+  void refuse_waiting(int worker, const std::string& reason);
   void drop_late_workers();
   void log_stats();
 
@@ -220,7 +222,11 @@ ServerSummary Server::run() {
   // last periodic or requested checkpoint is the one all servers agree on.
   if (!options_.checkpoint_dir.empty() && !tables_.empty() &&
       std::count(states_.begin(), states_.end(), WorkerState::Finished) > 0) {
-    write_checkpoint(snapshot_tables(), "at the end");
+    try {
+      write_checkpoint(snapshot_tables(), "at the end");
+    } catch (const std::exception& error) {
+      warn(std::string("the final checkpoint failed: ") + reason_of(error));
+    }
   }
   log_stats();
   for (const auto& table : tables_) {
@@ -271,6 +277,16 @@ void Server::handle_message(int worker, Message&& message) {
   progress();
 }
 
+void Server::progress() {
+  // Runs on a channel's thread: nothing may escape it (a periodic checkpoint failing to write, an
+  // allocation failing) — logged, and the server goes on.
+  try {
+    advance();
+  } catch (const std::exception& error) {
+    warn(std::string("applying updates or writing a checkpoint failed: ") + reason_of(error));
+  }
+}
+
 void Server::dispatch(int worker, const Frame& frame, Request&& request, at::Tensor payload) {
   const int64_t id = frame.request_id;
   switch (frame.kind) {
@@ -292,7 +308,7 @@ void Server::dispatch(int worker, const Frame& frame, Request&& request, at::Ten
       return;
     case MessageKind::Finish:
       states_[worker] = WorkerState::Finished;
-      checkpoint_requests_[worker] = -1;
+      refuse_waiting(worker, "torchpar.ps: " + who(worker) + " finished while this request waited");
       info(who(worker) + " finished; " + std::to_string(active_count()) + " still training");
       send(worker, make_message(MessageKind::Bye, id, {}));
       return;
@@ -322,13 +338,11 @@ void Server::check_items(int worker, const Request& request) {
     const auto& dense = static_cast<const DenseTable&>(t);
     TORCH_CHECK(item.dtype == t.dtype(), verb, " table '", t.name(), "': dtype ", c10::toString(item.dtype),
                 ", the table holds ", c10::toString(t.dtype()));
+    TORCH_CHECK(item.clock == t.pushes[worker], verb, " table '", t.name(), "' at clock ", item.clock, ": ",
+                who(worker), " has pushed ", t.pushes[worker], " times");
     TORCH_CHECK(item.numel == dense.numel(), verb, " table '", t.name(), "' (shape ", c10::IntArrayRef(dense.shape()), "; server ",
                 index_, " holds elements [", dense.shard_begin(), ", ", dense.shard_end(), ")): ", item.numel,
                 " elements, expected ", dense.numel());
-    if (pushes) {
-      TORCH_CHECK(item.clock == t.pushes[worker], "push to table '", t.name(), "' at clock ", item.clock, ": ",
-                  who(worker), " has pushed ", t.pushes[worker], " times");
-    }
   }
   for (const auto& item : request.rows) {
     auto& t = table(item.table);
@@ -337,15 +351,13 @@ void Server::check_items(int worker, const Request& request) {
     const auto& sparse = static_cast<const SparseTable&>(t);
     TORCH_CHECK(item.dtype == t.dtype(), verb, " table '", t.name(), "': dtype ", c10::toString(item.dtype),
                 ", the table holds ", c10::toString(t.dtype()));
+    TORCH_CHECK(item.clock == t.pushes[worker], verb, " table '", t.name(), "' at clock ", item.clock, ": ",
+                who(worker), " has pushed ", t.pushes[worker], " times");
     TORCH_CHECK(item.dim == sparse.dim(), verb, " table '", t.name(), "': rows of ", item.dim,
                 " values, the table's rows have ", sparse.dim());
     for (int64_t i = 0; i < item.count; ++i) {
       TORCH_CHECK(item.ids[i] >= 0 && item.ids[i] < sparse.num_rows(), verb, " table '", t.name(), "': row id ",
                   item.ids[i], " is out of range [0, ", sparse.num_rows(), ")");
-    }
-    if (pushes) {
-      TORCH_CHECK(item.clock == t.pushes[worker], "push to table '", t.name(), "' at clock ", item.clock, ": ",
-                  who(worker), " has pushed ", t.pushes[worker], " times");
     }
   }
 }
@@ -434,10 +446,12 @@ bool Server::apply_full_rounds() {
   for (auto& table : tables_) {
     while (!table->rounds.empty() && table->rounds.begin()->first == table->applied) {
       auto& round = table->rounds.begin()->second;
+      bool full = true;
       for (int w = 0; w < num_workers(); ++w) {
-        if (states_[w] == WorkerState::Active && !round.contributions[w]) {
-          return applied;
-        }
+        full = full && !(states_[w] == WorkerState::Active && !round.contributions[w]);
+      }
+      if (!full) {
+        break; // this table waits for a worker; the next ones may not
       }
       std::vector<at::Tensor> ids;
       std::vector<at::Tensor> grads;
@@ -460,7 +474,7 @@ bool Server::apply_full_rounds() {
   return applied;
 }
 
-void Server::progress() {
+void Server::advance() {
   if (options_.consistency == Consistency::BSP) {
     while (apply_full_rounds()) {
     }
@@ -468,9 +482,11 @@ void Server::progress() {
              any_active()) {
     int64_t clock = std::numeric_limits<int64_t>::max();
     for (const auto& table : tables_) {
-      clock = std::min(clock, slowest_clock(*table));
+      const int64_t slowest = slowest_clock(*table);
+      // Read-only tables (nobody ever pushed) do not hold the clock back.
+      if (*std::max_element(table->pushes.begin(), table->pushes.end()) > 0) clock = std::min(clock, slowest);
     }
-    if (clock >= next_periodic_clock_ + options_.checkpoint_every) {
+    if (clock != std::numeric_limits<int64_t>::max() && clock >= next_periodic_clock_ + options_.checkpoint_every) {
       write_checkpoint(snapshot_tables(), "at clock " + std::to_string(clock));
       next_periodic_clock_ = clock / options_.checkpoint_every * options_.checkpoint_every;
     }
@@ -521,10 +537,37 @@ void Server::lose(int worker, const std::string& reason) {
     return;
   }
   states_[worker] = WorkerState::Lost;
-  checkpoint_requests_[worker] = -1;
   summary_.lost_workers.push_back(worker);
   warn(who(worker) + " lost: " + reason + "; continuing with " + std::to_string(active_count()) + " workers");
+  // A worker dropped while alive hears why its waiting requests end (a dead one's sends just fail).
+  refuse_waiting(worker, "torchpar.ps: " + who(worker) + " was dropped by server " + std::to_string(index_) + ": " +
+                             reason);
   progress();
+}
+
+void Server::refuse_waiting(int worker, const std::string& reason) {
+  for (auto it = deferred_.begin(); it != deferred_.end();) {
+    if (it->worker == worker) {
+      reply_error(worker, it->id, reason);
+      it = deferred_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (checkpoint_requests_[worker] >= 0) {
+    reply_error(worker, checkpoint_requests_[worker], reason);
+    checkpoint_requests_[worker] = -1;
+  }
+  for (auto& [name, waiters] : waiting_registrations_) {
+    for (auto it = waiters.begin(); it != waiters.end();) {
+      if (it->worker == worker) {
+        reply_error(worker, it->id, reason);
+        it = waiters.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
 }
 
 void Server::drop_late_workers() {
@@ -540,12 +583,18 @@ void Server::drop_late_workers() {
     if (now - round.opened < options_.timeout) {
       continue;
     }
+    // Collected first: dropping a worker may complete and erase this round.
+    std::vector<int> late;
     for (int w = 0; w < num_workers(); ++w) {
-      if (states_[w] == WorkerState::Active && !round.contributions[w]) {
-        lose(w, "it did not push clock " + std::to_string(table->applied) + " of table '" + table->name() +
-                    "' within the timeout (" + std::to_string(options_.timeout.count()) + " ms)");
-      }
+      if (states_[w] == WorkerState::Active && !round.contributions[w]) late.push_back(w);
     }
+    const std::string why = "it did not push clock " + std::to_string(table->applied) + " of table '" +
+                            table->name() + "' within the timeout (" + std::to_string(options_.timeout.count()) +
+                            " ms)";
+    for (int w : late) {
+      lose(w, why);
+    }
+    return; // the tables may have changed under the loop; the next tick looks again
   }
 }
 
@@ -658,7 +707,16 @@ void Server::take_periodic_snapshot(Table& table) {
   state.insert_or_assign("pushes", c10::IValue(std::vector<int64_t>(num_workers(), table.applied)));
   auto& snapshots = periodic_snapshots_[table.applied];
   snapshots[table.name()] = state;
-  if (snapshots.size() == tables_.size()) {
+  // Tables nobody pushes to (read-only) have no rounds: their current state is their state at any clock.
+  size_t expected = 0;
+  for (const auto& t : tables_) {
+    if (t->applied > 0 || !t->rounds.empty()) {
+      ++expected;
+    } else {
+      snapshots.emplace(t->name(), t->snapshot());
+    }
+  }
+  if (snapshots.size() >= tables_.size() && expected > 0) {
     std::vector<c10::IValue> tables;
     for (const auto& t : tables_) {
       tables.push_back(snapshots.at(t->name()));
@@ -690,9 +748,10 @@ void Server::write_checkpoint(const std::vector<c10::IValue>& tables, const std:
 void Server::restore_table(Table& table, const c10::impl::GenericDict& state) {
   table.restore(state);
   if (options_.consistency == Consistency::BSP) {
-    // BSP rounds need every worker at the table's round: a checkpoint of an ASP / SSP job (or one
-    // with a worker ahead) resumes from its slowest worker's clock.
-    const int64_t slowest = *std::min_element(table.pushes.begin(), table.pushes.end());
+    // BSP rounds need every worker at the table's round: a checkpoint of an ASP / SSP job resumes
+    // from its slowest worker's clock.
+    // (A BSP checkpoint's rounds applied win over a lost worker's lower clock.)
+    const int64_t slowest = std::max(table.applied, *std::min_element(table.pushes.begin(), table.pushes.end()));
     table.applied = slowest;
     std::fill(table.pushes.begin(), table.pushes.end(), slowest);
   }

@@ -37,11 +37,14 @@ c10::impl::GenericDict Table::snapshot() const {
 }
 
 void Table::restore(const c10::impl::GenericDict& state) {
-  optimizer_.lr = optimizer_from_ivalue(state.at("optimizer")).lr;
-  const auto saved = state.at("pushes").toIntVector();
-  TORCH_CHECK(saved.size() == pushes.size(), "torchpar.ps: the checkpoint of table '", name_, "' was written with ",
-              saved.size(), " workers, this job has ", pushes.size());
-  pushes = saved;
+  const auto saved = optimizer_from_ivalue(state.at("optimizer"));
+  TORCH_CHECK(saved.kind == optimizer_.kind, "torchpar.ps: table '", name_, "' was checkpointed with optimizer ",
+              saved.describe(), ", it is registered with ", optimizer_.describe());
+  optimizer_.lr = saved.lr;
+  const auto saved_pushes = state.at("pushes").toIntVector();
+  TORCH_CHECK(saved_pushes.size() == pushes.size(), "torchpar.ps: the checkpoint of table '", name_,
+              "' was written with ", saved_pushes.size(), " workers, this job has ", pushes.size());
+  pushes = saved_pushes;
   applied = state.at("applied").toInt();
   rounds.clear();
 }
