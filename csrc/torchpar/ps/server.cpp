@@ -546,27 +546,23 @@ void Server::lose(int worker, const std::string& reason) {
 }
 
 void Server::refuse_waiting(int worker, const std::string& reason) {
-  for (auto it = deferred_.begin(); it != deferred_.end();) {
-    if (it->worker == worker) {
-      reply_error(worker, it->id, reason);
-      it = deferred_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  if (checkpoint_requests_[worker] >= 0) {
-    reply_error(worker, checkpoint_requests_[worker], reason);
-    checkpoint_requests_[worker] = -1;
-  }
-  for (auto& [name, waiters] : waiting_registrations_) {
-    for (auto it = waiters.begin(); it != waiters.end();) {
+  auto refuse_from = [&](auto& requests) {
+    for (auto it = requests.begin(); it != requests.end();) {
       if (it->worker == worker) {
         reply_error(worker, it->id, reason);
-        it = waiters.erase(it);
+        it = requests.erase(it);
       } else {
         ++it;
       }
     }
+  };
+  refuse_from(deferred_);
+  for (auto& [name, waiters] : waiting_registrations_) {
+    refuse_from(waiters);
+  }
+  if (checkpoint_requests_[worker] >= 0) {
+    reply_error(worker, checkpoint_requests_[worker], reason);
+    checkpoint_requests_[worker] = -1;
   }
 }
 
