@@ -184,19 +184,25 @@ bool Client::receive(int server, Message&& message) {
   return true;
 }
 
+std::vector<Client::Pending> Client::take_pending(const std::function<bool(const Pending&)>& which) {
+  std::vector<Pending> taken;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (which(it->second)) {
+      taken.push_back(std::move(it->second));
+      it = pending_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return taken;
+}
+
 void Client::server_failed(int server, const std::string& reason) {
   std::vector<Pending> failed;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     server_failures_[server] = reason;
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->second.server == server) {
-        failed.push_back(std::move(it->second));
-        it = pending_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    failed = take_pending([server](const Pending& pending) { return pending.server == server; });
   }
   done_.notify_all();
   for (auto& pending : failed) {
@@ -210,15 +216,7 @@ void Client::watch_deadlines() {
   while (!stopping_) {
     stop_watch_.wait_for(lock, period, [&] { return stopping_; });
     const auto now = std::chrono::steady_clock::now();
-    std::vector<Pending> expired;
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      if (now - it->second.sent > it->second.deadline) {
-        expired.push_back(std::move(it->second));
-        it = pending_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    auto expired = take_pending([now](const Pending& pending) { return now - pending.sent > pending.deadline; });
     lock.unlock();
     for (auto& pending : expired) {
       pending.on_error("torchpar.ps: " + server_name(pending.server) + " did not answer " + pending.what +

@@ -80,6 +80,8 @@ class Client {
   int64_t send_request(int server, MessageKind kind, std::vector<uint8_t> payload, std::string what,
                        std::function<void(const Message&)> on_reply, std::function<void(const std::string&)> on_error);
   bool receive(int server, Message&& message);
+  // Removes and returns the pending requests `which` selects; the caller holds mutex_.
+  std::vector<Pending> take_pending(const std::function<bool(const Pending&)>& which);
   void server_failed(int server, const std::string& reason);
   void watch_deadlines();
   std::vector<Message> request_all(const std::vector<int>& servers, MessageKind kind,

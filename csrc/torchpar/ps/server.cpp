@@ -95,6 +95,8 @@ class Server {
   void register_sparse(int worker, int64_t id, const SparseRegistration& registration);
   void answer_registration(int worker, int64_t id, const std::string& name);
   void check_registration(const DenseRegistration& registration);
+  // Restored from the checkpoint when it holds the table.
+  void add_table(std::unique_ptr<Table> table, const std::string& description);
   void check_items(int worker, const Request& request);
   void apply_pushes(int worker, const Request& request);
   void contribute(int worker, Table& table, at::Tensor ids, at::Tensor grads);
@@ -606,18 +608,10 @@ void Server::register_dense(int worker, int64_t id, const DenseRegistration& reg
   if (existing == table_ids_.end()) {
     const int64_t numel = registration.shard_end - registration.shard_begin;
     auto initial = at::from_blob(const_cast<uint8_t*>(registration.initial), {numel}, registration.dtype).clone();
-    auto table = std::make_unique<DenseTable>(registration.name, registration.shape, registration.shard_begin,
-                                              registration.shard_end, std::move(initial), registration.optimizer,
-                                              num_workers());
-    bool restored = false;
-    if (auto saved = restored_.find(registration.name); saved != restored_.end()) {
-      restore_table(*table, saved->second);
-      restored = true;
-    }
-    table_ids_[registration.name] = static_cast<uint32_t>(tables_.size());
-    tables_.push_back(std::move(table));
-    info("table '" + registration.name + "' (dense, " + registration.optimizer.describe() + ") " +
-         (restored ? "restored from the checkpoint" : "created"));
+    add_table(std::make_unique<DenseTable>(registration.name, registration.shape, registration.shard_begin,
+                                           registration.shard_end, std::move(initial), registration.optimizer,
+                                           num_workers()),
+              "dense, " + registration.optimizer.describe());
   }
   check_registration(registration);
   answer_registration(worker, id, registration.name);
@@ -634,6 +628,17 @@ void Server::register_dense(int worker, int64_t id, const DenseRegistration& reg
       }
     }
   }
+}
+
+void Server::add_table(std::unique_ptr<Table> table, const std::string& description) {
+  const auto saved = restored_.find(table->name());
+  if (saved != restored_.end()) {
+    restore_table(*table, saved->second);
+  }
+  info("table '" + table->name() + "' (" + description + ") " +
+       (saved != restored_.end() ? "restored from the checkpoint" : "created"));
+  table_ids_[table->name()] = static_cast<uint32_t>(tables_.size());
+  tables_.push_back(std::move(table));
 }
 
 void Server::check_registration(const DenseRegistration& registration) {
@@ -654,19 +659,11 @@ void Server::check_registration(const DenseRegistration& registration) {
 void Server::register_sparse(int worker, int64_t id, const SparseRegistration& registration) {
   auto existing = table_ids_.find(registration.name);
   if (existing == table_ids_.end()) {
-    auto table = std::make_unique<SparseTable>(registration.name, registration.dtype, registration.num_rows,
-                                               registration.dim, registration.initializer, registration.optimizer,
-                                               num_workers());
-    bool restored = false;
-    if (auto saved = restored_.find(registration.name); saved != restored_.end()) {
-      restore_table(*table, saved->second);
-      restored = true;
-    }
-    table_ids_[registration.name] = static_cast<uint32_t>(tables_.size());
-    tables_.push_back(std::move(table));
-    info("table '" + registration.name + "' (sparse, " + std::to_string(registration.num_rows) + " rows of " +
-         std::to_string(registration.dim) + ", " + registration.optimizer.describe() + ") " +
-         (restored ? "restored from the checkpoint" : "created"));
+    add_table(std::make_unique<SparseTable>(registration.name, registration.dtype, registration.num_rows,
+                                            registration.dim, registration.initializer, registration.optimizer,
+                                            num_workers()),
+              "sparse, " + std::to_string(registration.num_rows) + " rows of " + std::to_string(registration.dim) +
+                  ", " + registration.optimizer.describe());
   }
   const auto& t = *tables_[table_ids_.at(registration.name)];
   TORCH_CHECK(t.is_sparse(), "table '", registration.name, "' is already registered as a dense table");
