@@ -37,30 +37,43 @@ void write_optimizer(WireWriter& writer, const OptimizerConfig& config) {
   }
 }
 
-std::vector<DenseItem> read_dense_items(WireReader& reader, bool with_data) {
+// Dense and rows items share their count and each item's head (table, clock, dtype).
+template <typename Item, typename ReadRest>
+std::vector<Item> read_items(WireReader& reader, ReadRest read_rest) {
   const auto count = reader.get<uint32_t>("item count");
   TORCH_CHECK(count <= kMaxItems, "torchpar.ps: malformed message: ", count, " items");
-  std::vector<DenseItem> items(count);
+  std::vector<Item> items(count);
   for (auto& item : items) {
     item.table = reader.get<uint32_t>("table id");
     item.clock = reader.get<int64_t>("clock");
     item.dtype = dtype_from_code(reader.get<uint8_t>("dtype"));
-    item.numel = checked_count(reader.get<int64_t>("numel"), "an element count");
-    if (with_data) {
-      item.data = reader.get_data(item.numel * c10::elementSize(item.dtype), "gradient data");
-    }
+    read_rest(item);
   }
   return items;
 }
 
+template <typename Item, typename WriteRest>
+void write_items(WireWriter& writer, const std::vector<Item>& items, WriteRest write_rest) {
+  writer.put<uint32_t>(static_cast<uint32_t>(items.size()));
+  for (const auto& item : items) {
+    writer.put<uint32_t>(item.table);
+    writer.put<int64_t>(item.clock);
+    writer.put<uint8_t>(dtype_code(item.dtype));
+    write_rest(item);
+  }
+}
+
+std::vector<DenseItem> read_dense_items(WireReader& reader, bool with_data) {
+  return read_items<DenseItem>(reader, [&](DenseItem& item) {
+    item.numel = checked_count(reader.get<int64_t>("numel"), "an element count");
+    if (with_data) {
+      item.data = reader.get_data(item.numel * c10::elementSize(item.dtype), "gradient data");
+    }
+  });
+}
+
 std::vector<RowsItem> read_rows_items(WireReader& reader, bool with_data) {
-  const auto count = reader.get<uint32_t>("item count");
-  TORCH_CHECK(count <= kMaxItems, "torchpar.ps: malformed message: ", count, " items");
-  std::vector<RowsItem> items(count);
-  for (auto& item : items) {
-    item.table = reader.get<uint32_t>("table id");
-    item.clock = reader.get<int64_t>("clock");
-    item.dtype = dtype_from_code(reader.get<uint8_t>("dtype"));
+  return read_items<RowsItem>(reader, [&](RowsItem& item) {
     item.count = checked_count(reader.get<int64_t>("row count"), "a row count");
     item.dim = checked_count(reader.get<int64_t>("row width"), "a row width");
     item.ids = reinterpret_cast<const int64_t*>(reader.get_data(item.count * sizeof(int64_t), "row ids"));
@@ -69,8 +82,7 @@ std::vector<RowsItem> read_rows_items(WireReader& reader, bool with_data) {
                   item.count, " rows of ", item.dim);
       item.data = reader.get_data(item.count * item.dim * c10::elementSize(item.dtype), "row gradients");
     }
-  }
-  return items;
+  });
 }
 
 } // namespace
@@ -158,16 +170,12 @@ void encode_dense_items(WireWriter& writer, const std::vector<DenseItem>& items,
     bytes += 40 + (with_data ? item.numel * c10::elementSize(item.dtype) : 0);
   }
   writer.reserve(writer.size() + bytes);
-  writer.put<uint32_t>(static_cast<uint32_t>(items.size()));
-  for (const auto& item : items) {
-    writer.put<uint32_t>(item.table);
-    writer.put<int64_t>(item.clock);
-    writer.put<uint8_t>(dtype_code(item.dtype));
+  write_items(writer, items, [&](const DenseItem& item) {
     writer.put<int64_t>(item.numel);
     if (with_data) {
       writer.put_data(item.data, item.numel * c10::elementSize(item.dtype));
     }
-  }
+  });
 }
 
 void encode_rows_items(WireWriter& writer, const std::vector<RowsItem>& items, bool with_data) {
@@ -176,18 +184,14 @@ void encode_rows_items(WireWriter& writer, const std::vector<RowsItem>& items, b
     bytes += 56 + item.count * (8 + (with_data ? item.dim * c10::elementSize(item.dtype) : 0));
   }
   writer.reserve(writer.size() + bytes);
-  writer.put<uint32_t>(static_cast<uint32_t>(items.size()));
-  for (const auto& item : items) {
-    writer.put<uint32_t>(item.table);
-    writer.put<int64_t>(item.clock);
-    writer.put<uint8_t>(dtype_code(item.dtype));
+  write_items(writer, items, [&](const RowsItem& item) {
     writer.put<int64_t>(item.count);
     writer.put<int64_t>(item.dim);
     writer.put_data(item.ids, item.count * sizeof(int64_t));
     if (with_data) {
       writer.put_data(item.data, item.count * item.dim * c10::elementSize(item.dtype));
     }
-  }
+  });
 }
 
 void encode_registration(WireWriter& writer, const DenseRegistration& registration) {
