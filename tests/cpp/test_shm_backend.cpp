@@ -48,6 +48,8 @@ TEST_CASE("shm: allreduce, broadcast and allgather are exact, small and chunked"
   const int world = GENERATE(1, 2, 3, 4);
   run_on_ranks(world, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     REQUIRE(pg->getBackend(c10::DeviceType::CPU)->getBackendName() == "shm");
+    CHECK(pg->getBackendName() == "shm");  // c10d's own group would say "custom"
+    const uint64_t issued_before = pg->getBackend(c10::DeviceType::CPU)->getSequenceNumberForGroup();
     for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{4099}, int64_t{3} * (1 << 20) + 17}) {
       std::vector<at::Tensor> sum{at::arange(numel, at::kDouble).remainder(97) + rank};
       pg->allreduce(sum)->wait();
@@ -68,6 +70,8 @@ TEST_CASE("shm: allreduce, broadcast and allgather are exact, small and chunked"
         CHECK(at::allclose(gathered[0][r], at::full({numel}, static_cast<double>(r), at::kFloat), 0, 0));
       }
     }
+    // Three collectives for each of the four sizes: the group's sequence number, equal on every rank.
+    CHECK(pg->getBackend(c10::DeviceType::CPU)->getSequenceNumberForGroup() == issued_before + 12);
   }, shm());
   CHECK(our_segments() == before);
 }

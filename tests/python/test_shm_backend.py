@@ -1,6 +1,7 @@
 """torchpar's "shm" backend on real ranks, against Gloo's results for the same calls."""
 import datetime
 import os
+import re
 import signal
 import time
 
@@ -294,7 +295,7 @@ def silent_peer(rank, world):
         time.sleep(6)
         return "slept"
     start = time.monotonic()
-    with pytest.raises(dist.DistBackendError, match=r"allreduce #1 on rank 0 timed out: rank\(s\) 1 did not take part"):
+    with pytest.raises(dist.DistBackendError, match=r"allreduce #1 on rank 0: Timed out waiting for rank\(s\) 1, which did not take part"):
         dist.all_reduce(torch.ones(8), group=shm)
     assert time.monotonic() - start < 5
     return "raised"
@@ -302,6 +303,87 @@ def silent_peer(rank, world):
 
 def test_a_silent_peer_is_named_within_the_timeout():
     assert run_on_ranks(2, silent_peer) == ["raised", "slept"]
+
+
+def silent_barrier_peer(rank, world):
+    shm = dist.new_group(backend="shm", timeout=datetime.timedelta(seconds=1))
+    if rank == 1:
+        time.sleep(3)
+        return "slept"
+    with pytest.raises(dist.DistBackendError) as raised:
+        dist.barrier(group=shm)
+    # The phrase Gloo and NCCL use, which torch's own suite and users' retry code match.
+    assert re.search(" (Timed out|closed|timeout) ", str(raised.value)), str(raised.value)
+    assert "barrier #1 on rank 0: Timed out waiting for rank(s) 1" in str(raised.value)
+    return "raised"
+
+
+def test_a_barrier_timeout_says_timed_out_as_gloo_does():
+    assert run_on_ranks(2, silent_barrier_peer) == ["raised", "slept"]
+
+
+def what_gloo_offers_besides(rank, world):
+    shm = dist.new_group(backend="shm", timeout=datetime.timedelta(seconds=20))
+    gloo = dist.group.WORLD
+    # all_gather_coalesced, with inputs of several shapes (one empty, one not contiguous).
+    inputs = [torch.arange(5.0) + rank, torch.full((2, 3), float(rank)), torch.empty(0),
+              torch.arange(12.0).view(3, 4).t() * (rank + 1)]
+    gathered = {}
+    for name, group in (("shm", shm), ("gloo", gloo)):
+        outputs = [[torch.empty_like(t) for t in inputs] for _ in range(world)]
+        dist.all_gather_coalesced(outputs, inputs, group=group)
+        gathered[name] = outputs
+    for mine, theirs in zip(gathered["shm"], gathered["gloo"]):
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a, b)
+    # Sparse all-reduce (COO): the sum of every rank's rows, as Gloo computes it.
+    indices = torch.tensor([[rank, world]])
+    sparse = {name: torch.sparse_coo_tensor(indices, torch.tensor([1.0, rank]), (world + 1,)) for name in ("shm", "gloo")}
+    dist.all_reduce(sparse["shm"], group=shm)
+    dist.all_reduce(sparse["gloo"], group=gloo)
+    assert torch.equal(sparse["shm"].to_dense(), sparse["gloo"].to_dense())
+    # Sequence numbers: one per collective, equal on every rank.
+    before = shm._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+    dist.all_reduce(torch.ones(1), group=shm)
+    dist.barrier(group=shm)
+    after = shm._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+    assert after == before + 2
+    numbers = [None] * world
+    dist.all_gather_object(numbers, after, group=gloo)
+    assert numbers == [after] * world
+    # Its name, wherever torch reports one.
+    assert dist.get_backend(shm) == "shm" and shm._get_backend_name() == "shm"
+    # monitored_barrier: passes when all arrive; otherwise rank 0 names the rank that did not.
+    dist.monitored_barrier(group=shm, timeout=datetime.timedelta(seconds=10))
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="Rank 1 failed to pass monitoredBarrier"):
+            dist.monitored_barrier(group=shm, timeout=datetime.timedelta(seconds=1))
+    dist.barrier(group=gloo)
+    return True
+
+
+def test_what_gloo_offers_besides_the_usual_collectives_works_on_shm():
+    assert run_on_ranks(2, what_gloo_offers_besides) == [True, True]
+
+
+def detail_debug_mode(rank, world):
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL: torch checks every collective across ranks before running it.
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    shm = dist.new_group(backend="shm", timeout=datetime.timedelta(seconds=20))
+    tensor = torch.full((4,), float(rank))
+    dist.all_reduce(tensor, group=shm)
+    assert tensor.tolist() == [sum(range(world))] * 4
+    model = torch.nn.Linear(3, 2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=shm)
+    ddp(torch.randn(2, 3)).sum().backward()
+    assert ddp._get_ddp_logging_data()["backend_name"] == "shm"
+    with pytest.raises(RuntimeError, match="Detected mismatch between collectives"):
+        dist.all_reduce(torch.ones(3 + rank), group=shm)
+    return True
+
+
+def test_torchs_detail_debug_mode_checks_shm_collectives():
+    assert run_on_ranks(2, detail_debug_mode) == [True, True]
 
 
 def killed_peer(rank, world):

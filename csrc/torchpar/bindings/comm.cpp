@@ -6,6 +6,7 @@
 #include <torchpar/bindings/bindings.h>
 #include <torchpar/comm/backend_factory.h>
 #include <torchpar/comm/launch_config.h>
+#include <torchpar/comm/named_process_group.h>
 #include <torchpar/comm/process_group.h>
 #include <torchpar/comm/shm/process_group_shm.h>
 #include <torchpar/comm/store.h>
@@ -78,6 +79,18 @@ void bind_comm(py::module_& module) {
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
       py::call_guard<py::gil_scoped_release>(),
       "torchpar's shared-memory c10d backend; torch.distributed creates it for backend 'shm'.");
+
+  module.def(
+      "named_process_group",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& name,
+         const c10::intrusive_ptr<c10d::Backend>& cpu_backend) -> c10::intrusive_ptr<c10d::ProcessGroup> {
+        auto group = c10::make_intrusive<NamedProcessGroup>(store, rank, size, name);
+        group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, cpu_backend);
+        group->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+        return group;
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("name"), py::arg("cpu_backend"),
+      "A process group whose only backend is `cpu_backend` and which reports `name` as its backend's name.");
 
   module.def(
       "init_process_group",

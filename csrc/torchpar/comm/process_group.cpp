@@ -10,6 +10,7 @@
 
 #include <torchpar/comm/backend_factory.h>
 #include <torchpar/comm/launch_config.h>
+#include <torchpar/comm/named_process_group.h>
 #include <torchpar/comm/store.h>
 
 namespace torchpar::comm {
@@ -37,7 +38,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> assemble(const std::string& group,
                                                 const c10::intrusive_ptr<c10d::Store>& group_store,
                                                 const std::vector<BackendChoice>& choices, int rank, int world_size,
                                                 int local_rank, std::chrono::milliseconds timeout) {
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(group_store, rank, world_size);
+  auto pg = c10::make_intrusive<NamedProcessGroup>(group_store, rank, world_size, choices.front().name);
   std::map<std::string, c10::intrusive_ptr<c10d::Backend>> backends;
   for (const auto& choice : choices) {
     auto& backend = backends[choice.name];

@@ -123,6 +123,22 @@ uint64_t bytes_of(const at::Tensor& tensor) {
   return static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
 }
 
+// The bytes of tensors of any dtypes and shapes, one after another.
+at::Tensor byte_concatenation(const std::vector<at::Tensor>& tensors) {
+  uint64_t total = 0;
+  for (const auto& tensor : tensors) {
+    total += bytes_of(tensor);
+  }
+  at::Tensor packed = at::empty({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kByte));
+  char* cursor = static_cast<char*>(packed.data_ptr());
+  for (const auto& tensor : tensors) {
+    const at::Tensor source = tensor.contiguous();
+    std::memcpy(cursor, source.const_data_ptr(), bytes_of(source));
+    cursor += bytes_of(source);
+  }
+  return packed;
+}
+
 uint64_t total_bytes(const std::vector<at::Tensor>& tensors) {
   uint64_t total = 0;
   for (const auto& tensor : tensors) {
@@ -203,7 +219,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(
     std::vector<at::Tensor> outputs,
     uint64_t bytes,
     Task task) {
-  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, ++collectives_issued_, std::move(outputs));
   {
     std::unique_lock<std::mutex> lock(mutex_);
     if (bytes > kInlineBytes || running_ || !queue_.empty()) {
@@ -357,6 +373,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].is_sparse() && tensors[0].device().is_cpu()) {
+    // Sparse (COO) tensors: Gloo all-gathers every rank's indices and values and sums them.
+    return via_gloo(c10d::OpType::ALLREDUCE, tensors, [tensors, opts](c10d::Backend& gloo) mutable {
+      return gloo.allreduce(tensors, opts);
+    });
+  }
   const at::Tensor& tensor = single(tensors, "allreduce");
   const RedOp op = opts.reduceOp.op_;
   check_reducible(tensor.scalar_type(), op, "allreduce");
@@ -480,6 +502,44 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(
               "shm backend: allgather_into_tensor needs an output of ", size_, " x the input (", input.numel(),
               " elements of ", input.scalar_type(), "), got ", output.numel(), " of ", output.scalar_type());
   return enqueue(c10d::OpType::_ALLGATHER_BASE, {output}, bytes_of(output), [this, output, input] { all_gather_into(output, input); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& output_lists,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(output_lists.size() == static_cast<std::size_t>(size_),
+              "shm backend: allgather_coalesced needs one output list per rank (", size_, "), got ",
+              output_lists.size());
+  std::vector<at::Tensor> outputs;
+  for (int rank = 0; rank < size_; ++rank) {
+    TORCH_CHECK(output_lists[rank].size() == inputs.size(), "shm backend: allgather_coalesced: output list ", rank,
+                " holds ", output_lists[rank].size(), " tensors for ", inputs.size(), " inputs");
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      check_same(output_lists[rank][i], inputs[i], "allgather_coalesced", "output tensor");
+      outputs.push_back(output_lists[rank][i]);
+    }
+  }
+  if (!single_host()) {
+    return via_gloo(c10d::OpType::ALLGATHER_COALESCED, outputs, [output_lists, inputs, opts](c10d::Backend& gloo) mutable {
+      return gloo.allgather_coalesced(output_lists, inputs, opts);
+    });
+  }
+  // Inputs may differ in dtype: they travel as one byte stream per rank.
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, outputs, size_ * total_bytes(inputs), [this, output_lists, inputs] {
+    const at::Tensor packed = byte_concatenation(inputs);
+    const at::Tensor gathered = at::empty({size_ * packed.numel()}, packed.options());
+    all_gather_into(gathered, packed);
+    const char* cursor = static_cast<const char*>(gathered.const_data_ptr());
+    for (const auto& outputs_of_rank : output_lists) {
+      for (const auto& output : outputs_of_rank) {
+        Landing landing(output);
+        std::memcpy(landing.data(), cursor, bytes_of(output));
+        landing.deliver();
+        cursor += bytes_of(output);
+      }
+    }
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
@@ -763,6 +823,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& opts) {
   return enqueue(c10d::OpType::BARRIER, {}, 0, [this] { barrier_all(); });
+}
+
+void ProcessGroupShm::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  ++collectives_issued_;
+  gloo_->monitoredBarrier(opts, wait_all_ranks);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dst, int tag) {

@@ -1,4 +1,5 @@
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -46,6 +47,9 @@ class ProcessGroupShm : public c10d::Backend {
       const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(
       at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> gather(
@@ -65,6 +69,14 @@ class ProcessGroupShm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // Gloo's monitored barrier on the Gloo backend kept beside the segment: rank 0 names every rank
+  // that did not arrive within the timeout.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  // Collectives issued on this group so far, the same on every rank while the ranks agree (torch's
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL checks and object collectives ask for it).
+  uint64_t getSequenceNumberForGroup() override {
+    return collectives_issued_.load();
+  }
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
@@ -110,6 +122,7 @@ class ProcessGroupShm : public c10d::Backend {
   bool stopping_ = false;
   bool running_ = false; // a task is executing, on the backend's thread or a caller's
   std::thread worker_;
+  std::atomic<uint64_t> collectives_issued_{0};
 };
 
 // The backend, for torchpar's backend factory and for torch.distributed's registration.

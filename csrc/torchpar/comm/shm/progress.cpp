@@ -132,8 +132,9 @@ void wait_for_all(
           C10_THROW_ERROR(DistBackendError, what() + " failed: " + ranks_behind(controls, world, target, true) +
                                                 " died before taking part" + also);
         }
-        C10_THROW_ERROR(DistBackendError,
-                        what() + " timed out: " + alive_behind + " did not take part within the group's timeout");
+        // "Timed out" as Gloo and NCCL say it: retry logic and torch's own tests match on the phrase.
+        C10_THROW_ERROR(DistBackendError, what() + ": Timed out waiting for " + alive_behind +
+                                              ", which did not take part within the group's timeout");
       }
       controls[rank].sleepers.fetch_add(1, std::memory_order_seq_cst);
       value = progress.load(std::memory_order_seq_cst);

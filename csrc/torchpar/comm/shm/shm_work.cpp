@@ -5,8 +5,9 @@
 
 namespace torchpar::comm::shm {
 
-ShmWork::ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+ShmWork::ShmWork(int rank, c10d::OpType type, uint64_t sequence_number, std::vector<at::Tensor> outputs)
     : Work(rank, type),
+      sequence_number_(sequence_number),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
