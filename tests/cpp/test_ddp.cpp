@@ -85,7 +85,7 @@ TEST_CASE("buckets follow reverse registration order, with a small first bucket 
       {400, at::kFloat}, {400, at::kFloat}, {100, at::kHalf}, {400, at::kFloat}, {400, at::kFloat}};
   const auto order = torchpar::ddp::reverse_registration_order(parameters.size());
   CHECK(order == std::vector<size_t>{4, 3, 2, 1, 0});
-  const auto buckets = assign_buckets(parameters, order, /*first=*/400, /*cap=*/800);
+  const auto buckets = assign_buckets(parameters, order, {/*first=*/400, /*then=*/800});
   // 4 fills the small first bucket; 3+1 reach 800; the half-precision parameter 2 has a bucket of its
   // own; 0 is left over.
   REQUIRE(buckets.size() == 4);
@@ -93,9 +93,12 @@ TEST_CASE("buckets follow reverse registration order, with a small first bucket 
   CHECK(buckets[1] == std::vector<size_t>{3, 1});
   CHECK(buckets[2] == std::vector<size_t>{2});
   CHECK(buckets[3] == std::vector<size_t>{0});
-  CHECK(assign_buckets(parameters, order, 1, 1).size() == 5);
-  CHECK(assign_buckets(parameters, order, 1 << 30, 1 << 30).size() == 2);  // one per dtype
-  CHECK_THROWS_WITH(assign_buckets(parameters, {0, 1, 2, 3, 3}, 1, 1), Contains("not a permutation"));
+  CHECK(assign_buckets(parameters, order, {1}).size() == 5);
+  // A cap per bucket, the last one serving the rest (bucket_cap_mb_list).
+  CHECK(assign_buckets(parameters, order, {400, 400, 1 << 30}) ==
+        std::vector<std::vector<size_t>>{{4}, {3}, {2}, {1, 0}});
+  CHECK(assign_buckets(parameters, order, {1 << 30}).size() == 2);  // one per dtype
+  CHECK_THROWS_WITH(assign_buckets(parameters, {0, 1, 2, 3, 3}, {1}), Contains("not a permutation"));
 }
 
 TEST_CASE("C++ DistributedDataParallel trains like one process on the global batch") {

@@ -21,30 +21,38 @@ void bind_ddp(py::module_& module) {
       .def(
           py::init([](ddp::NamedTensors parameters, ddp::NamedTensors buffers,
                       c10::intrusive_ptr<c10d::ProcessGroup> process_group, double bucket_cap_mb,
-                      double first_bucket_cap_mb, bool find_unused_parameters, bool gradient_as_bucket_view,
-                      bool broadcast_buffers, bool static_graph) {
+                      double first_bucket_cap_mb, std::vector<double> bucket_cap_mb_list, bool find_unused_parameters,
+                      bool gradient_as_bucket_view, bool broadcast_buffers, bool static_graph, bool init_sync,
+                      bool init_sync_buffers) {
             return std::make_unique<ReplicaCoordinator>(
                 std::move(parameters), std::move(buffers),
                 ddp::DistributedDataParallelOptions()
                     .process_group(std::move(process_group))
                     .bucket_cap_mb(bucket_cap_mb)
                     .first_bucket_cap_mb(first_bucket_cap_mb)
+                    .bucket_cap_mb_list(std::move(bucket_cap_mb_list))
                     .find_unused_parameters(find_unused_parameters)
                     .gradient_as_bucket_view(gradient_as_bucket_view)
                     .broadcast_buffers(broadcast_buffers)
-                    .static_graph(static_graph));
+                    .static_graph(static_graph)
+                    .init_sync(init_sync)
+                    .init_sync_buffers(init_sync_buffers));
           }),
           py::arg("parameters"), py::arg("buffers"), py::arg("process_group"), py::arg("bucket_cap_mb"),
-          py::arg("first_bucket_cap_mb"), py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"),
-          py::arg("broadcast_buffers"), py::arg("static_graph"), py::call_guard<py::gil_scoped_release>())
+          py::arg("first_bucket_cap_mb"), py::arg("bucket_cap_mb_list"), py::arg("find_unused_parameters"),
+          py::arg("gradient_as_bucket_view"), py::arg("broadcast_buffers"), py::arg("static_graph"),
+          py::arg("init_sync"), py::arg("init_sync_buffers"), py::call_guard<py::gil_scoped_release>())
       .def("pre_forward", &ReplicaCoordinator::pre_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
       .def("post_forward", &ReplicaCoordinator::post_forward, py::arg("outputs"), py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
       .def_property("grad_sync", &ReplicaCoordinator::grad_sync, &ReplicaCoordinator::set_grad_sync)
-      .def("begin_join", &ReplicaCoordinator::begin_join)
-      .def("finish_join", &ReplicaCoordinator::finish_join, py::call_guard<py::gil_scoped_release>())
-      .def("cancel_join", &ReplicaCoordinator::cancel_join)
+      .def("begin_join", &ReplicaCoordinator::begin_join, py::arg("divide_by_initial_world_size"))
+      .def_property_readonly("joining", &ReplicaCoordinator::joining)
+      .def("shadow_iteration", &ReplicaCoordinator::shadow_iteration, py::call_guard<py::gil_scoped_release>())
+      .def("synchronise_final_model", &ReplicaCoordinator::synchronise_final_model,
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_static_graph", &ReplicaCoordinator::set_static_graph)
       .def(
           "register_comm_hook",
           [](ReplicaCoordinator& self, py::object state, py::object hook) {

@@ -11,8 +11,8 @@ namespace torchpar::ddp {
 std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<BucketableParameter>& parameters,
     const std::vector<size_t>& order,
-    size_t first_bucket_cap_bytes,
-    size_t bucket_cap_bytes) {
+    const std::vector<size_t>& bucket_caps_bytes) {
+  TORCH_CHECK(!bucket_caps_bytes.empty(), "assign_buckets: no bucket cap given");
   TORCH_CHECK(
       order.size() == parameters.size(),
       "assign_buckets: the order names ", order.size(), " parameters, but there are ", parameters.size());
@@ -32,7 +32,7 @@ std::vector<std::vector<size_t>> assign_buckets(
     OpenBucket& bucket = open_by_dtype[parameters[index].dtype];
     bucket.indices.push_back(index);
     bucket.bytes += parameters[index].bytes;
-    const size_t cap = closed.empty() ? first_bucket_cap_bytes : bucket_cap_bytes;
+    const size_t cap = bucket_caps_bytes[std::min(closed.size(), bucket_caps_bytes.size() - 1)];
     if (bucket.bytes >= cap) {
       closed.push_back(std::move(bucket.indices));
       bucket = OpenBucket{};

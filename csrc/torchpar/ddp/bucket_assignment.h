@@ -14,15 +14,14 @@ struct BucketableParameter {
 };
 
 // Groups parameter indices into buckets, visiting `order` (indices into `parameters`) front to back:
-// a bucket closes once it holds at least its byte cap, the first bucket's cap being
-// `first_bucket_cap_bytes` (small, so the first all-reduce starts early in backward) and the others'
-// `bucket_cap_bytes`. Parameters of different dtypes never share a bucket (one flat tensor each).
-// Buckets come out in the order they close, which is the order they are all-reduced.
+// a bucket closes once it holds at least its byte cap. Bucket k's cap is `bucket_caps_bytes[k]`, the
+// last entry serving every later bucket: DDP's {1 MiB, 25 MiB} makes the first bucket small, so the
+// first all-reduce starts early in backward. Parameters of different dtypes never share a bucket (one
+// flat tensor each). Buckets come out in the order they close, which is the order they are all-reduced.
 std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<BucketableParameter>& parameters,
     const std::vector<size_t>& order,
-    size_t first_bucket_cap_bytes,
-    size_t bucket_cap_bytes);
+    const std::vector<size_t>& bucket_caps_bytes);
 
 // Reverse registration order: gradients of the last layers are produced first in backward.
 std::vector<size_t> reverse_registration_order(size_t count);

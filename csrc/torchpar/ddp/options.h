@@ -6,6 +6,8 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <vector>
+
 namespace torchpar::ddp {
 
 struct DistributedDataParallelOptions {
@@ -15,6 +17,9 @@ struct DistributedDataParallelOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   // The first bucket is small so that communication starts early in backward (torch: 1 MiB).
   TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  // A cap per bucket instead, in all-reduce order, the last serving every later bucket (torch's
+  // bucket_cap_mb_list); empty: first_bucket_cap_mb, then bucket_cap_mb.
+  TORCH_ARG(std::vector<double>, bucket_cap_mb_list);
   // Trace the autograd graph after each forward and mark parameters it cannot reach as ready.
   TORCH_ARG(bool, find_unused_parameters) = false;
   // Parameters' .grad become views into the flat buckets: no copy after all-reduce, less memory.
@@ -24,6 +29,10 @@ struct DistributedDataParallelOptions {
   // The set of used parameters and their gradient order are the same every iteration: learnt in the
   // first iteration, after which no graph traversal is needed.
   TORCH_ARG(bool, static_graph) = false;
+  // At construction, check that every rank holds the same parameters and copy rank 0's values (and,
+  // with init_sync_buffers, its buffers) to all. Off: the caller guarantees equal replicas.
+  TORCH_ARG(bool, init_sync) = true;
+  TORCH_ARG(bool, init_sync_buffers) = true;
 };
 
 } // namespace torchpar::ddp

@@ -83,6 +83,19 @@ Reducer::~Reducer() {
   }
 }
 
+void Reducer::set_gradient_divisor(int divisor) {
+  TORCH_CHECK(divisor > 0, "DistributedDataParallel: gradient divisor must be positive, got ", divisor);
+  average_scale_ = at::native::wrapped_scalar_tensor(1.0 / divisor);
+}
+
+void Reducer::set_static_graph() {
+  TORCH_CHECK(iteration_ == 0 && !armed_,
+              "DistributedDataParallel: static_graph is learnt from the first backward, so _set_static_graph() "
+              "should be called before training loop starts and after DistributedDataParallel is constructed "
+              "(or pass static_graph=True to the constructor)");
+  options_.static_graph = true;
+}
+
 int Reducer::rank() const {
   return process_group_->getRank();
 }
@@ -102,7 +115,7 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
     sizes.push_back({static_cast<size_t>(parameter.numel()) * parameter.element_size(), parameter.scalar_type()});
   }
   const auto assignment =
-      assign_buckets(sizes, order, options_.first_bucket_cap_bytes, options_.bucket_cap_bytes);
+      assign_buckets(sizes, order, options_.bucket_caps_bytes);
   buckets_.clear();
   locations_.assign(parameters_.size(), Location{});
   at::NoGradGuard no_grad;

@@ -29,8 +29,8 @@ namespace torchpar::ddp {
 class Timeline;
 
 struct ReducerOptions {
-  size_t bucket_cap_bytes = 25u << 20;
-  size_t first_bucket_cap_bytes = 1u << 20;
+  // Bucket k's byte cap, the last entry serving every later bucket (see assign_buckets).
+  std::vector<size_t> bucket_caps_bytes = {1u << 20, 25u << 20};
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
@@ -65,6 +65,11 @@ class Reducer {
   // bucket and returns a future holding the bucket's reduced contents (torch's register_comm_hook).
   // The hook sees raw local gradients: averaging is its job. At most once, before the first backward.
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
+
+  // Gradients are averaged by dividing by `divisor` (the world size, unless join says otherwise).
+  void set_gradient_divisor(int divisor);
+  // static_graph after construction; before the first synchronised backward.
+  void set_static_graph();
 
   // Buckets in all-reduce order, as parameter indices (for tests and logging).
   std::vector<std::vector<size_t>> bucket_indices() const;

@@ -76,8 +76,14 @@ ReplicaCoordinator::ReplicaCoordinator(
       "group torchpar::init_process_group returned");
   TORCH_CHECK(options_.bucket_cap_mb() > 0, "DistributedDataParallel: bucket_cap_mb must be > 0, got ",
               options_.bucket_cap_mb());
-  verify_replicas_match();
-  broadcast_state(/*source_rank=*/0, /*include_parameters=*/true);
+  for (double cap : options_.bucket_cap_mb_list()) {
+    TORCH_CHECK(cap > 0, "DistributedDataParallel: every entry of bucket_cap_mb_list must be > 0, got ",
+                c10::ArrayRef<double>(options_.bucket_cap_mb_list()));
+  }
+  if (options_.init_sync()) {
+    verify_replicas_match();
+    broadcast_state(/*source_rank=*/0, /*include_parameters=*/true, options_.init_sync_buffers());
+  }
   timeline_ = Timeline::from_environment(options_.process_group()->getRank());
 
   std::vector<at::Tensor> trainable;
@@ -89,9 +95,16 @@ ReplicaCoordinator::ReplicaCoordinator(
     }
   }
   ReducerOptions reducer_options;
-  reducer_options.bucket_cap_bytes = static_cast<size_t>(options_.bucket_cap_mb() * (1 << 20));
-  reducer_options.first_bucket_cap_bytes =
-      static_cast<size_t>(std::min(options_.first_bucket_cap_mb(), options_.bucket_cap_mb()) * (1 << 20));
+  auto bytes = [](double mebibytes) { return static_cast<size_t>(mebibytes * (1 << 20)); };
+  if (options_.bucket_cap_mb_list().empty()) {
+    reducer_options.bucket_caps_bytes = {bytes(std::min(options_.first_bucket_cap_mb(), options_.bucket_cap_mb())),
+                                         bytes(options_.bucket_cap_mb())};
+  } else {
+    reducer_options.bucket_caps_bytes.clear();
+    for (double cap : options_.bucket_cap_mb_list()) {
+      reducer_options.bucket_caps_bytes.push_back(bytes(cap));
+    }
+  }
   reducer_options.find_unused_parameters = options_.find_unused_parameters();
   reducer_options.gradient_as_bucket_view = options_.gradient_as_bucket_view();
   reducer_options.static_graph = options_.static_graph();
@@ -151,15 +164,17 @@ void ReplicaCoordinator::verify_replicas_match() const {
   TORCH_CHECK(false, message.str());
 }
 
-void ReplicaCoordinator::broadcast_state(int source_rank, bool include_parameters) {
+void ReplicaCoordinator::broadcast_state(int source_rank, bool include_parameters, bool include_buffers) {
   std::vector<at::Tensor> tensors;
   if (include_parameters) {
     for (const auto& [name, parameter] : parameters_) {
       tensors.push_back(parameter);
     }
   }
-  for (const auto& [name, buffer] : buffers_) {
-    tensors.push_back(buffer);
+  if (include_buffers) {
+    for (const auto& [name, buffer] : buffers_) {
+      tensors.push_back(buffer);
+    }
   }
   if (tensors.empty()) {
     return;
@@ -185,6 +200,9 @@ void ReplicaCoordinator::pre_forward(bool will_sync) {
     ++joined_forwards_;
     // The highest active rank is the authority: lower ones may have stopped training already.
     buffer_source = status.active_ranks.back();
+    if (!divide_by_initial_world_size_) {
+      reducer_->set_gradient_divisor(static_cast<int>(status.active_ranks.size()));
+    }
   }
   if (will_sync) {
     reducer_->rebuild_buckets_if_due();
@@ -233,34 +251,45 @@ ReplicaCoordinator::JoinStatus ReplicaCoordinator::exchange_join_status(
   return result;
 }
 
-void ReplicaCoordinator::begin_join() {
+void ReplicaCoordinator::begin_join(bool divide_by_initial_world_size) {
   TORCH_CHECK(!join_enabled_, "DistributedDataParallel: join contexts cannot be nested");
   join_enabled_ = true;
+  divide_by_initial_world_size_ = divide_by_initial_world_size;
   joined_forwards_ = 0;
 }
 
 void ReplicaCoordinator::cancel_join() {
   join_enabled_ = false;
+  reducer_->set_gradient_divisor(options_.process_group()->getSize());
 }
 
 void ReplicaCoordinator::finish_join() {
   TORCH_CHECK(join_enabled_, "DistributedDataParallel: finish_join without begin_join");
   join_enabled_ = false;
-  for (;;) {
-    const auto status = exchange_join_status(false, false, false);
-    if (status.active_ranks.empty()) {
-      break;
-    }
-    if (status.syncing_gradients) {
-      reducer_->rebuild_buckets_if_due();
-    }
-    if (status.broadcasting_buffers) {
-      broadcast_state(status.active_ranks.back(), /*include_parameters=*/false);
-    }
-    if (status.syncing_gradients) {
-      reducer_->shadow_backward();
-    }
+  while (shadow_iteration()) {
   }
+  synchronise_final_model();
+}
+
+bool ReplicaCoordinator::shadow_iteration() {
+  const auto status = exchange_join_status(false, false, false);
+  if (status.active_ranks.empty()) {
+    return false;
+  }
+  if (status.syncing_gradients) {
+    reducer_->rebuild_buckets_if_due();
+  }
+  if (status.broadcasting_buffers) {
+    broadcast_state(status.active_ranks.back(), /*include_parameters=*/false);
+  }
+  if (status.syncing_gradients) {
+    reducer_->shadow_backward();
+  }
+  return true;
+}
+
+void ReplicaCoordinator::synchronise_final_model() {
+  join_enabled_ = false;
   // The rank that ran the most forwards (the highest such rank) holds the final model.
   auto& group = *options_.process_group();
   auto forwards = at::zeros({group.getSize()}, at::kLong);
@@ -275,6 +304,13 @@ void ReplicaCoordinator::finish_join() {
   }
   broadcast_state(authority, /*include_parameters=*/true);
   sync_buffers_next_forward_ = true;
+  joined_forwards_ = 0;
+  reducer_->set_gradient_divisor(group.getSize());
+}
+
+void ReplicaCoordinator::set_static_graph() {
+  options_.static_graph(true);
+  reducer_->set_static_graph();
 }
 
 void ReplicaCoordinator::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {

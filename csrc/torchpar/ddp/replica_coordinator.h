@@ -44,11 +44,21 @@ class ReplicaCoordinator {
   // Uneven inputs. Between begin_join() and finish_join() each forward also tells the others that this
   // rank is still active. finish_join() (called when this rank's data is exhausted) shadows the
   // collectives of the ranks still training until all have finished, then copies the parameters and
-  // buffers of the rank that trained longest to every rank. Collective.
-  void begin_join();
+  // buffers of the rank that trained longest to every rank. Collective. Gradients are divided by the
+  // initial world size, or with divide_by_initial_world_size false by the ranks still training.
+  void begin_join(bool divide_by_initial_world_size = true);
   void finish_join();
   // The training loop raised: leave join mode without shadowing (the others will time out).
   void cancel_join();
+  bool joining() const { return join_enabled_; }
+  // finish_join's two parts, for torch's generic Join context manager, which runs its own loop:
+  // the active ranks' collectives of one iteration, shadowed (false when no rank was active), and,
+  // once every rank is done, the final copy of the model. Both collective.
+  bool shadow_iteration();
+  void synchronise_final_model();
+
+  // static_graph, set after construction (torch's _set_static_graph); before the first backward.
+  void set_static_graph();
 
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
   Reducer& reducer() { return *reducer_; }
@@ -58,7 +68,7 @@ class ReplicaCoordinator {
  private:
   void verify_replicas_match() const;
   at::Device device() const;
-  void broadcast_state(int source_rank, bool include_parameters);
+  void broadcast_state(int source_rank, bool include_parameters, bool include_buffers = true);
   struct JoinStatus {
     std::vector<int> active_ranks;
     bool syncing_gradients = false;
@@ -74,6 +84,7 @@ class ReplicaCoordinator {
   std::unique_ptr<Reducer> reducer_;
   bool grad_sync_ = true;
   bool join_enabled_ = false;
+  bool divide_by_initial_world_size_ = true;
   int64_t joined_forwards_ = 0;
   // As torch: buffers are broadcast before a forward only if the previous forward synchronised.
   bool sync_buffers_next_forward_ = true;

@@ -51,7 +51,7 @@ ReplicaGradients::ReplicaGradients(c10::intrusive_ptr<c10d::ProcessGroup> group,
       sizes.push_back({static_cast<size_t>(parameter.numel() * parameter.element_size()), parameter.scalar_type()});
     }
     std::vector<Bucket> buckets;
-    for (const auto& members : ddp::assign_buckets(sizes, ddp::reverse_registration_order(trained.size()), cap, cap)) {
+    for (const auto& members : ddp::assign_buckets(sizes, ddp::reverse_registration_order(trained.size()), {cap})) {
       Bucket bucket;
       for (auto index : members) {
         bucket.parameters.push_back(trained[index]);
