@@ -30,7 +30,7 @@ namespace {
 
 std::vector<uint8_t> dense_push_payload(const std::vector<float>& grad) {
   ps::WireWriter writer;
-  ps::DenseItem item{0, 0, c10::kFloat, static_cast<int64_t>(grad.size()),
+  ps::DenseItem item{0, 0, c10::kFloat, {static_cast<int64_t>(grad.size())}, static_cast<int64_t>(grad.size()),
                      reinterpret_cast<const uint8_t*>(grad.data())};
   ps::encode_dense_items(writer, {item}, /*with_data=*/true);
   return writer.release();
@@ -44,6 +44,7 @@ TEST_CASE("a request decodes only when every field is there and nothing is left 
   const auto request = ps::decode_request(ps::MessageKind::Push, payload.data(), payload.size());
   REQUIRE(request.dense.size() == 1);
   CHECK(request.dense[0].numel == 5);
+  CHECK(request.dense[0].shape == std::vector<int64_t>{5});
   float decoded[5];
   std::memcpy(decoded, request.dense[0].data, sizeof(decoded));
   CHECK(decoded[4] == 5);

@@ -102,5 +102,10 @@ TEST_CASE("shm: unsupported requests name the op", "[shm]") {
                       Contains("alltoall needs input and output rows of one shape"));
     std::vector<at::Tensor> two{at::ones({4}), at::ones({4})};
     CHECK_THROWS_WITH(pg->allreduce(two), Contains("allreduce takes exactly one tensor per rank, got 2"));
+    // The element count is not enough: a transposed output would receive the values in another layout.
+    std::vector<at::Tensor> input{at::ones({2, 3})};
+    std::vector<std::vector<at::Tensor>> transposed{{at::empty({3, 2}), at::empty({3, 2})}};
+    CHECK_THROWS_WITH(pg->allgather(transposed, input),
+                      Contains("every output tensor must have the input's dtype and shape (Float [2, 3]), got Float [3, 2]"));
   }, shm());
 }

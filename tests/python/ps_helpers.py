@@ -228,10 +228,15 @@ class Payload:
 
 
 def dense_payload(items) -> Payload:
-    """Pull / Push / PushPull: items of (server table id, clock, dtype code, numel, data or None)."""
+    """Pull / Push / PushPull: items of (server table id, clock, dtype code, numel, data or None[, the
+    table's shape as the worker sees it, by default [numel]])."""
     payload = Payload().u32(len(items))
-    for table, clock, dtype, numel, data in items:
-        payload.u32(table).i64(clock).u8(dtype).i64(numel)
+    for table, clock, dtype, numel, data, *shape in items:
+        shape = shape[0] if shape else [numel]
+        payload.u32(table).i64(clock).u8(dtype).u32(len(shape))
+        for size in shape:
+            payload.i64(size)
+        payload.i64(numel)
         if data is not None:
             payload.tensor(data)
     return payload

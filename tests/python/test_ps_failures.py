@@ -411,17 +411,21 @@ def test_bsp_drops_a_silent_worker_after_the_timeout_and_refuses_its_later_reque
 # --- Bad input: refused with the reason; the sender's next requests are served, nothing was applied. ---
 
 BAD_ROWS, BAD_DIM = 10, 3
-W, E = 0, 1  # the tables' ids on the server, in order of creation
+W, E, M = 0, 1, 2  # the tables' ids on the server, in order of creation
 F32, F64 = DTYPE_CODE[torch.float32], DTYPE_CODE[torch.float64]
 GARBAGE_KINDS = [Kind.REGISTER_DENSE, Kind.REGISTER_SPARSE, Kind.PULL, Kind.PUSH, Kind.PUSH_PULL, Kind.PULL_ROWS,
                  Kind.PUSH_ROWS, Kind.SET_LEARNING_RATE, Kind.CHECKPOINT]
 
 # label: text (or texts) every refusal's message contains
 EXPECTED_REFUSALS = {
-    "unknown table (raw pull)": "unknown table id 99 (server 0 holds 2 tables)",
+    "unknown table (raw pull)": "unknown table id 99 (server 0 holds 3 tables)",
     "unknown table (raw push_rows)": "unknown table id 99",
     "wrong element count (raw push)": "server 0 holds elements [0, 6)): 5 elements, expected 6",
     "wrong shape (client push)": ("push to table 'w' (shape ", "a gradient of shape [5]"),
+    "transposed gradient (client push)": "push to table 'm' (shape [2, 3]): a gradient of shape [3, 2]; gradients "
+                                         "must have the table's shape",
+    "transposed gradient (raw push)": "push to table 'm': a gradient of shape [3, 2] for a table of shape [2, 3]",
+    "read of another shape (raw pull)": "pull from table 'm': a read of shape [6] for a table of shape [2, 3]",
     "wrong dtype (client push)": "gradient dtype Double, the table holds Float",
     "wrong dtype (raw push)": "push to table 'w': dtype Double, the table holds Float",
     "unknown dtype code (raw push)": "unknown dtype code 3 (1: float32, 2: float64)",
@@ -449,7 +453,7 @@ EXPECTED_REFUSALS = {
 }
 
 
-def refusals(client, w, e):
+def refusals(client, w, e, m):
     """Worker 0's bad requests, each followed by correct ones; returns label -> the refusals' messages."""
     expected = {"w": torch.zeros(6), "e": torch.zeros(BAD_ROWS, BAD_DIM)}
     messages = {}
@@ -476,8 +480,14 @@ def refusals(client, w, e):
     refused("unknown table (raw push_rows)",
             raw(Kind.PUSH_ROWS, rows_payload([(99, client.clock(e), F32, [1], BAD_DIM, torch.ones(1, BAD_DIM))])))
     refused("wrong element count (raw push)",
-            raw(Kind.PUSH, dense_payload([(W, client.clock(w), F32, 5, torch.ones(5))])))
+            raw(Kind.PUSH, dense_payload([(W, client.clock(w), F32, 5, torch.ones(5), [6])])))
     refused("wrong shape (client push)", lambda: client.push([w], [torch.ones(5)]))
+    # Same element count, other shape: applied by flat index it would land on the wrong elements.
+    refused("transposed gradient (client push)", lambda: client.push([m], [torch.ones(3, 2)]))
+    refused("transposed gradient (raw push)",
+            raw(Kind.PUSH, dense_payload([(M, client.clock(m), F32, 6, torch.ones(6), [3, 2])])))
+    refused("read of another shape (raw pull)", raw(Kind.PULL, dense_payload([(M, 0, F32, 6, None)])))
+    assert torch.equal(client.pull([m]).wait()[0], torch.zeros(2, 3))
     refused("wrong dtype (client push)", lambda: client.push([w], [ones.double()]))
     refused("wrong dtype (raw push)", raw(Kind.PUSH, dense_payload([(W, client.clock(w), F64, 6, ones.double())])))
     refused("unknown dtype code (raw push)", raw(Kind.PUSH, dense_payload([(W, client.clock(w), 3, 6, ones)])))
@@ -537,8 +547,9 @@ def bad_input(rank, world, flags):
     client = service.client
     w = client.dense_table("w", torch.zeros(6), ps.SGD(lr=1.0))
     e = client.sparse_table("e", BAD_ROWS, BAD_DIM, ps.SGD(lr=1.0))
+    m = client.dense_table("m", torch.zeros(2, 3), ps.SGD(lr=1.0))
     if service.worker_index == 0:
-        result = refusals(client, w, e)
+        result = refusals(client, w, e, m)
         touch(flags / "done")
     else:  # meanwhile, the other worker keeps being served
         result = 0

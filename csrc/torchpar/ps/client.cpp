@@ -386,9 +386,12 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
     what += (i ? ", '" : " '") + t.name + "'";
     if (pushing) {
       const auto& grad = grads[i];
-      TORCH_CHECK(grad.defined() && grad.numel() == t.numel, "torchpar.ps: ", operation, " to table '", t.name,
-                  "' (shape ", c10::IntArrayRef(t.shape), "): a gradient of shape ",
-                  grad.defined() ? c10::str(grad.sizes()) : std::string("undefined"));
+      // The shape, not only the element count: a [3, 2] gradient for a [2, 3] table would be applied
+      // to the wrong elements.
+      TORCH_CHECK(grad.defined() && grad.sizes() == c10::IntArrayRef(t.shape), "torchpar.ps: ", operation,
+                  " to table '", t.name, "' (shape ", c10::IntArrayRef(t.shape), "): a gradient of shape ",
+                  grad.defined() ? c10::str(grad.sizes()) : std::string("undefined"),
+                  "; gradients must have the table's shape");
       TORCH_CHECK(grad.scalar_type() == t.dtype, "torchpar.ps: ", operation, " to table '", t.name,
                   "': gradient dtype ", c10::toString(grad.scalar_type()), ", the table holds ",
                   c10::toString(t.dtype));
@@ -416,7 +419,7 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
       if (t.server_table[s] < 0) continue;
       const int64_t begin = t.shard_begin[s];
       const int64_t n = t.shard_end[s] - begin;
-      DenseItem item{static_cast<uint32_t>(t.server_table[s]), t.clocks[s], t.dtype, n, nullptr};
+      DenseItem item{static_cast<uint32_t>(t.server_table[s]), t.clocks[s], t.dtype, t.shape, n, nullptr};
       if (pushing) {
         item.data = bytes_of(flat_grads[i]) + begin * flat_grads[i].element_size();
         t.clocks[s] += 1;

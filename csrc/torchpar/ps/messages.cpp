@@ -1,6 +1,7 @@
 #include <torchpar/ps/messages.h>
 
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 namespace torchpar::ps {
 namespace {
@@ -63,8 +64,31 @@ void write_items(WireWriter& writer, const std::vector<Item>& items, WriteRest w
   }
 }
 
+std::vector<int64_t> read_shape(WireReader& reader) {
+  const auto dims = reader.get<uint32_t>("dimensions");
+  TORCH_CHECK(dims <= kMaxDims, "torchpar.ps: malformed message: a table of ", dims, " dimensions");
+  std::vector<int64_t> shape;
+  int64_t numel = 1;
+  for (uint32_t d = 0; d < dims; ++d) {
+    shape.push_back(checked_count(reader.get<int64_t>("size"), "a table size"));
+    const int64_t size = shape.back();
+    TORCH_CHECK(size == 0 || numel <= kMaxElements / size, "torchpar.ps: malformed message: a table of more than ",
+                kMaxElements, " elements");
+    numel *= size;
+  }
+  return shape;
+}
+
+void write_shape(WireWriter& writer, const std::vector<int64_t>& shape) {
+  writer.put<uint32_t>(static_cast<uint32_t>(shape.size()));
+  for (int64_t size : shape) {
+    writer.put<int64_t>(size);
+  }
+}
+
 std::vector<DenseItem> read_dense_items(WireReader& reader, bool with_data) {
   return read_items<DenseItem>(reader, [&](DenseItem& item) {
+    item.shape = read_shape(reader);
     item.numel = checked_count(reader.get<int64_t>("numel"), "an element count");
     if (with_data) {
       item.data = reader.get_data(item.numel * c10::elementSize(item.dtype), "gradient data");
@@ -109,16 +133,8 @@ Request decode_request(MessageKind kind, const uint8_t* payload, size_t size) {
       DenseRegistration registration;
       registration.name = reader.get_string("table name");
       registration.dtype = dtype_from_code(reader.get<uint8_t>("dtype"));
-      const auto dims = reader.get<uint32_t>("dimensions");
-      TORCH_CHECK(dims <= kMaxDims, "torchpar.ps: malformed message: a table of ", dims, " dimensions");
-      int64_t numel = 1;
-      for (uint32_t d = 0; d < dims; ++d) {
-        registration.shape.push_back(checked_count(reader.get<int64_t>("size"), "a table size"));
-        const int64_t size = registration.shape.back();
-        TORCH_CHECK(size == 0 || numel <= kMaxElements / size, "torchpar.ps: malformed message: a table of more than ",
-                    kMaxElements, " elements");
-        numel *= size;
-      }
+      registration.shape = read_shape(reader);
+      const int64_t numel = c10::multiply_integers(registration.shape);
       registration.shard_begin = reader.get<int64_t>("shard begin");
       registration.shard_end = reader.get<int64_t>("shard end");
       TORCH_CHECK(0 <= registration.shard_begin && registration.shard_begin < registration.shard_end &&
@@ -167,10 +183,11 @@ Request decode_request(MessageKind kind, const uint8_t* payload, size_t size) {
 void encode_dense_items(WireWriter& writer, const std::vector<DenseItem>& items, bool with_data) {
   size_t bytes = 4;
   for (const auto& item : items) {
-    bytes += 40 + (with_data ? item.numel * c10::elementSize(item.dtype) : 0);
+    bytes += 44 + 8 * item.shape.size() + (with_data ? item.numel * c10::elementSize(item.dtype) : 0);
   }
   writer.reserve(writer.size() + bytes);
   write_items(writer, items, [&](const DenseItem& item) {
+    write_shape(writer, item.shape);
     writer.put<int64_t>(item.numel);
     if (with_data) {
       writer.put_data(item.data, item.numel * c10::elementSize(item.dtype));
@@ -197,10 +214,7 @@ void encode_rows_items(WireWriter& writer, const std::vector<RowsItem>& items, b
 void encode_registration(WireWriter& writer, const DenseRegistration& registration) {
   writer.put_string(registration.name);
   writer.put<uint8_t>(dtype_code(registration.dtype));
-  writer.put<uint32_t>(static_cast<uint32_t>(registration.shape.size()));
-  for (int64_t size : registration.shape) {
-    writer.put<int64_t>(size);
-  }
+  write_shape(writer, registration.shape);
   writer.put<int64_t>(registration.shard_begin);
   writer.put<int64_t>(registration.shard_end);
   write_optimizer(writer, registration.optimizer);

@@ -14,7 +14,10 @@ struct DenseItem {
   uint32_t table = 0;
   int64_t clock = 0; // the worker's pushes to this table before this one
   c10::ScalarType dtype = c10::kFloat;
-  int64_t numel = 0;
+  // The whole table's shape as the worker sees it (a push: its gradient's), which the server checks
+  // against the table's: an element count alone would let a transposed gradient land on wrong elements.
+  std::vector<int64_t> shape;
+  int64_t numel = 0; // of this shard
   const uint8_t* data = nullptr;
 };
 

@@ -342,6 +342,9 @@ void Server::check_items(int worker, const Request& request) {
                 ", the table holds ", c10::toString(t.dtype()));
     TORCH_CHECK(item.clock == t.pushes[worker], verb, " table '", t.name(), "' at clock ", item.clock, ": ",
                 who(worker), " has pushed ", t.pushes[worker], " times");
+    TORCH_CHECK(item.shape == dense.shape(), verb, " table '", t.name(), "': ",
+                pushes ? "a gradient of shape " : "a read of shape ", c10::IntArrayRef(item.shape),
+                " for a table of shape ", c10::IntArrayRef(dense.shape()));
     TORCH_CHECK(item.numel == dense.numel(), verb, " table '", t.name(), "' (shape ", c10::IntArrayRef(dense.shape()), "; server ",
                 index_, " holds elements [", dense.shard_begin(), ", ", dense.shard_end(), ")): ", item.numel,
                 " elements, expected ", dense.numel());

@@ -12,7 +12,7 @@
 namespace torchpar::ps {
 
 // Bumped whenever a field changes; peers of another version are refused with both versions named.
-constexpr int64_t kWireVersion = 1;
+constexpr int64_t kWireVersion = 2; // 2: dense items carry the table's shape
 constexpr int64_t kWireMagic = 0x54505053; // "TPPS"
 
 enum class MessageKind : int64_t {

@@ -85,12 +85,13 @@ void check_root(int64_t root, int size, const char* op) {
   TORCH_CHECK(root >= 0 && root < size, "shm backend: ", op, " root ", root, " is not a rank of this group");
 }
 
+// The shape, as Gloo checks it: a tensor of the same element count in another shape would receive
+// the elements in another layout.
 void check_same(const at::Tensor& tensor, const at::Tensor& reference, const char* op, const char* what) {
   check_cpu_dense(tensor, op);
-  TORCH_CHECK(tensor.scalar_type() == reference.scalar_type() && tensor.numel() == reference.numel(),
-              "shm backend: ", op, ": every ", what, " must have the input's dtype and size (",
-              reference.scalar_type(), ", ", reference.numel(), " elements), got ", tensor.scalar_type(), ", ",
-              tensor.numel(), " elements");
+  TORCH_CHECK(tensor.scalar_type() == reference.scalar_type() && tensor.sizes() == reference.sizes(),
+              "shm backend: ", op, ": every ", what, " must have the input's dtype and shape (",
+              reference.scalar_type(), " ", reference.sizes(), "), got ", tensor.scalar_type(), " ", tensor.sizes());
 }
 
 // A contiguous stand-in for a user tensor that may not be contiguous: ops write into `buffer`,
