@@ -4,12 +4,15 @@
 //   ./scripts/setup.sh                  # also writes data/digits.pt
 //   torchrun --nproc-per-node=2 --no-python build/examples/cpp/train_ddp [--data data/digits.pt]
 //            [--epochs 20] [--lr 0.1] [--batch-size 32]    (TORCHPAR_BACKEND=shm for shared memory)
+//   torchrun --nproc-per-node=2 --max-restarts=3 --no-python build/examples/cpp/train_ddp --checkpoint-dir ckpt
+//            [--checkpoint-every 50]     (resumes from the newest complete checkpoint after a failure)
 //
 // Rank 0 shows per-epoch progress and the held-out accuracy; exit status 1 if it is below 95%.
 #include <unistd.h>
 
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include <ATen/ops/cross_entropy_loss.h>
@@ -21,6 +24,8 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 #include <torchpar/torchpar.h>
 
 #include "digits.h"
@@ -32,6 +37,8 @@ struct Arguments {
   int epochs = 20;
   double lr = 0.1;
   size_t batch_size = 32;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 50;
 };
 
 Arguments parse(int argc, char** argv) {
@@ -50,8 +57,13 @@ Arguments parse(int argc, char** argv) {
       arguments.lr = std::stod(value);
     } else if (flag == "--batch-size") {
       arguments.batch_size = std::stoul(value);
+    } else if (flag == "--checkpoint-dir") {
+      arguments.checkpoint_dir = value;
+    } else if (flag == "--checkpoint-every") {
+      arguments.checkpoint_every = std::stoll(value);
     } else {
-      throw std::invalid_argument("unknown option " + flag + " (--data, --epochs, --lr, --batch-size)");
+      throw std::invalid_argument("unknown option " + flag +
+                                  " (--data, --epochs, --lr, --batch-size, --checkpoint-dir, --checkpoint-every)");
     }
   }
   return arguments;
@@ -83,13 +95,57 @@ int main(int argc, char** argv) {
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(arguments.lr).momentum(0.9));
   // allow_duplicates: every rank gets ceil(N / world) samples, hence the same number of batches.
   torch::data::samplers::DistributedRandomSampler sampler(train_x.size(0), world, rank, /*allow_duplicates=*/true);
+  const int64_t samples_per_rank = (train_x.size(0) + world - 1) / world;
+  const int64_t batch_size = static_cast<int64_t>(arguments.batch_size);
+  const int64_t steps_per_epoch = (samples_per_rank + batch_size - 1) / batch_size;
+  const int64_t total = arguments.epochs * steps_per_epoch;
 
+  // Resuming: the newest complete checkpoint's model, optimizer and generators; the data order is a
+  // function of the epoch, so the steps already taken are skipped.
+  std::optional<torchpar::Checkpointer> checkpoints;
+  int64_t done = 0;
+  if (!arguments.checkpoint_dir.empty()) {
+    checkpoints.emplace(arguments.checkpoint_dir, group);
+    if (const auto latest = checkpoints->latest_step()) {
+      checkpoints->load(*latest, [&](torch::serialize::InputArchive& archive) {
+        torch::serialize::InputArchive model_state;
+        torch::serialize::InputArchive optimizer_state;
+        archive.read("model", model_state);
+        archive.read("optimizer", optimizer_state);
+        model->load(model_state);
+        optimizer.load(optimizer_state);
+        torchpar::load_rng_state(archive);
+      });
+      done = *latest;
+      if (rank == 0) {
+        std::cerr << "train_ddp: resumed from the checkpoint of step " << done << " of " << total << " in "
+                  << arguments.checkpoint_dir << std::endl;
+      }
+    }
+  }
+  auto save = [&](int64_t step) {
+    checkpoints->save(step, [&](torch::serialize::OutputArchive& archive) {
+      torch::serialize::OutputArchive model_state;
+      torch::serialize::OutputArchive optimizer_state;
+      model->save(model_state);
+      optimizer.save(optimizer_state);
+      archive.write("model", model_state);
+      archive.write("optimizer", optimizer_state);
+      torchpar::save_rng_state(archive);
+    });
+  };
+
+  int64_t step = 0;
   for (int epoch = 0; epoch < arguments.epochs; ++epoch) {
     sampler.set_epoch(epoch);
     sampler.reset();
     double loss_sum = 0;
     int batches = 0;
     while (auto indices = sampler.next(arguments.batch_size)) {
+      if (step < done) {
+        ++step;
+        continue;
+      }
       const auto index = at::tensor(std::vector<int64_t>(indices->begin(), indices->end()));
       optimizer.zero_grad();
       auto loss = at::cross_entropy_loss(ddp(train_x.index_select(0, index)), train_y.index_select(0, index));
@@ -97,6 +153,13 @@ int main(int argc, char** argv) {
       optimizer.step();
       loss_sum += loss.item<double>();
       ++batches;
+      ++step;
+      if (checkpoints && (step % arguments.checkpoint_every == 0 || step == total)) {
+        save(step);
+      }
+    }
+    if (batches == 0) {
+      continue;
     }
     if (rank == 0) {
       // A terminal gets one line redrawn in place; a log file, a line per epoch.

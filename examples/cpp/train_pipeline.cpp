@@ -4,6 +4,7 @@
 //   ./scripts/setup.sh                  # also writes data/digits.pt
 //   torchrun --nproc-per-node=2 --no-python build/examples/cpp/train_pipeline [--data data/digits.pt]
 //            [--epochs 30] [--lr 0.05] [--batch-size 64] [--microbatches 4] [--schedule 1f1b]
+//            [--checkpoint-dir ckpt [--checkpoint-every 50]]   (each rank saves its stage; resumes after a restart)
 //
 // Each rank builds only its own stage's layers. Rank 0 shows per-epoch progress; the last stage's
 // rank prints the held-out accuracy; every rank exits with status 1 if it is below 95%.
@@ -11,6 +12,7 @@
 
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -23,6 +25,8 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 #include <torchpar/torchpar.h>
 
 #include "digits.h"
@@ -36,6 +40,8 @@ struct Arguments {
   int64_t batch_size = 64;
   int microbatches = 4;
   std::string schedule = "1f1b";
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 50;
 };
 
 Arguments parse(int argc, char** argv) {
@@ -58,9 +64,14 @@ Arguments parse(int argc, char** argv) {
       arguments.microbatches = std::stoi(value);
     } else if (flag == "--schedule") {
       arguments.schedule = value;
+    } else if (flag == "--checkpoint-dir") {
+      arguments.checkpoint_dir = value;
+    } else if (flag == "--checkpoint-every") {
+      arguments.checkpoint_every = std::stoll(value);
     } else {
       throw std::invalid_argument("unknown option " + flag +
-                                  " (--data, --epochs, --lr, --batch-size, --microbatches, --schedule)");
+                                  " (--data, --epochs, --lr, --batch-size, --microbatches, --schedule, "
+                                  "--checkpoint-dir, --checkpoint-every)");
     }
   }
   return arguments;
@@ -119,21 +130,73 @@ int main(int argc, char** argv) {
   torch::optim::SGD optimizer(pipe.parameters(), torch::optim::SGDOptions(arguments.lr).momentum(0.9));
 
   const int64_t batches = train_x.size(0) / arguments.batch_size;  // whole batches only: equal micro-batches
+  const int64_t total = arguments.epochs * batches;
+
+  // Each rank checkpoints its own stage: its parameters (by position), its optimizer, its generators.
+  std::optional<torchpar::Checkpointer> checkpoints;
+  int64_t done = 0;
+  const auto parameters = pipe.parameters();
+  if (!arguments.checkpoint_dir.empty()) {
+    checkpoints.emplace(arguments.checkpoint_dir, group);
+    if (const auto latest = checkpoints->latest_step()) {
+      checkpoints->load(*latest, [&](torch::serialize::InputArchive& archive) {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < parameters.size(); ++i) {
+          at::Tensor saved;
+          archive.read("parameter." + std::to_string(i), saved);
+          TORCH_CHECK(saved.sizes() == parameters[i].sizes(), "checkpoint step ", *latest, ": parameter ", i,
+                      " of this rank's stage has shape ", saved.sizes(), ", the pipeline's has ", parameters[i].sizes(),
+                      "; resume with the same layers, ranks and cut");
+          parameters[i].copy_(saved);
+        }
+        torch::serialize::InputArchive optimizer_state;
+        archive.read("optimizer", optimizer_state);
+        optimizer.load(optimizer_state);
+        torchpar::load_rng_state(archive);
+      });
+      done = *latest;
+      if (rank == 0) {
+        std::cerr << "train_pipeline: resumed from the checkpoint of step " << done << " of " << total << " in "
+                  << arguments.checkpoint_dir << std::endl;
+      }
+    }
+  }
+  auto save = [&](int64_t step) {
+    checkpoints->save(step, [&](torch::serialize::OutputArchive& archive) {
+      for (size_t i = 0; i < parameters.size(); ++i) {
+        archive.write("parameter." + std::to_string(i), parameters[i]);
+      }
+      torch::serialize::OutputArchive optimizer_state;
+      optimizer.save(optimizer_state);
+      archive.write("optimizer", optimizer_state);
+      torchpar::save_rng_state(archive);
+    });
+  };
+
+  int64_t step = 0;
   for (int epoch = 0; epoch < arguments.epochs; ++epoch) {
     // Every rank draws the same order: the first stage reads the inputs, the last the targets.
     auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(epoch));
     const auto order = at::randperm(train_x.size(0), generator);
     double loss_sum = 0;
+    int64_t trained = 0;
     for (int64_t batch = 0; batch < batches; ++batch) {
+      if (++step <= done) {
+        continue;
+      }
       const auto index = order.narrow(0, batch * arguments.batch_size, arguments.batch_size);
       optimizer.zero_grad();
       loss_sum += pipe.step(train_x.index_select(0, index), train_y.index_select(0, index)).item<double>();
       optimizer.step();
+      ++trained;
+      if (checkpoints && (step % arguments.checkpoint_every == 0 || step == total)) {
+        save(step);
+      }
     }
-    if (rank == 0) {
+    if (rank == 0 && trained > 0) {
       // A terminal gets one line redrawn in place; a log file, a line per epoch.
       std::cerr << (::isatty(2) ? "\r" : "") << "epoch " << std::setw(3) << epoch + 1 << "/" << arguments.epochs
-                << "  loss " << std::fixed << std::setprecision(4) << loss_sum / batches << (::isatty(2) ? "" : "\n")
+                << "  loss " << std::fixed << std::setprecision(4) << loss_sum / trained << (::isatty(2) ? "" : "\n")
                 << std::flush;
     }
   }

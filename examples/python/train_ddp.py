@@ -4,11 +4,16 @@
     torchrun --nproc-per-node=2 examples/python/train_ddp.py
     torchrun --nproc-per-node=2 examples/python/train_ddp.py --backend shm --comm-hook fp16
     torchrun --nproc-per-node=2 examples/python/train_ddp.py --epochs 30 --lr 0.05 --comm-hook powersgd
+    torchrun --nproc-per-node=2 --max-restarts=3 examples/python/train_ddp.py --checkpoint-dir ckpt
 
 Every rank trains on its own shard of the training set (DistributedSampler); DDP averages the
 gradients, so the ranks keep identical weights. At the end each rank scores its share of the held-out
 set, the counts are summed, and rank 0 logs "test accuracy 97.2% ...". Exit code: 0, or 1 when the
 accuracy is below 95%, or 2 for a wrong launch or missing data.
+
+With --checkpoint-dir the run saves model, optimizer, position and RNG state every --checkpoint-every
+steps and at the end; started again (by torchrun after a failure, or by hand) it resumes from the newest
+complete checkpoint and ends exactly as an uninterrupted run would.
 """
 from __future__ import annotations
 
@@ -45,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--powersgd-start", type=int, default=10,
                         help="start_powerSGD_iter: plain all-reduce before this step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
+                        help="save checkpoints here and resume from the newest one (a folder every rank sees)")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     return parser.parse_args()
 
 
@@ -73,6 +81,16 @@ def test_accuracy(net: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, w
     counts = torch.tensor([(net(mine_x).argmax(dim=1) == mine_y).sum().item(), len(mine_y)], dtype=torch.int64)
     dist.all_reduce(counts)
     return int(counts[0]), int(counts[1])
+
+
+def continue_random_streams(saved_state, at_checkpointed_position: bool):
+    """Restores the checkpoint's generator state at the loop position where it was saved, so every
+    random draw after a restart (dropout, a new epoch's loader seed) is the one an uninterrupted run
+    makes; returns what is left to restore."""
+    if saved_state is not None and at_checkpointed_position:
+        torchpar.checkpoint.set_rng_state(saved_state)
+        return None
+    return saved_state
 
 
 def main() -> int:
@@ -105,16 +123,39 @@ def main() -> int:
 
     from tqdm import tqdm
 
+    total = args.epochs * len(loader)
+    checkpoints = torchpar.checkpoint.Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
+    done, resume_rng = 0, None  # steps already taken, and the RNG state to continue from
+    if checkpoints is not None and (latest := checkpoints.latest_step()) is not None:
+        state = checkpoints.load(latest)
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        done, resume_rng = latest, state["rng"]
+        logger.info("resumed from the checkpoint of step %d of %d", done, total)
+
     start = time.perf_counter()
-    progress = tqdm(total=args.epochs * len(loader), desc="train", unit="step", disable=rank != 0)
+    progress = tqdm(total=total, initial=done, desc="train", unit="step", disable=rank != 0)
+    step = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a different shuffle every epoch, the same on every rank
+        if step + len(loader) <= done:  # an epoch finished before the restart
+            step += len(loader)
+            continue
         model.train()
-        for x, y in loader:
+        resume_rng = continue_random_streams(resume_rng, step == done)
+        for x, y in loader:  # (a new iterator draws a seed from torch's generator)
+            if step < done:  # the data order is a function of the epoch: skip what was trained on
+                step += 1
+                continue
+            resume_rng = continue_random_streams(resume_rng, True)
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()  # DDP all-reduces the gradients, bucket by bucket, during backward
             optimizer.step()
+            step += 1
+            if checkpoints is not None and (step % args.checkpoint_every == 0 or step == total):
+                checkpoints.save(step, {"model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                                        "epoch": epoch, "rng": torchpar.checkpoint.rng_state()})
             progress.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", refresh=False)
             progress.update()
     progress.close()

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node=4 examples/python/train_pipeline.py --schedule interleaved --virtual-stages 2
     torchrun --nproc-per-node=4 examples/python/train_pipeline.py --schedule zero_bubble --balance time
     torchrun --nproc-per-node=4 examples/python/train_pipeline.py --data-parallel 2   # 2 replicas x 2 stages
+    torchrun --nproc-per-node=2 --max-restarts=3 examples/python/train_pipeline.py --checkpoint-dir ckpt
 
 The MLP (64-128-...-128-10, --depth Linear layers, each but the last followed by a ReLU) is cut into
 one stage per rank (times --virtual-stages for the interleaved schedule); each rank builds an
@@ -17,6 +18,9 @@ their gradients at the end of each step, so the weights stay identical.
 At the end the last stage's rank scores the held-out set (pipe.forward) and prints
 "train_pipeline: ... test accuracy 97.2%". Exit code: 0, or 1 when the accuracy is below 95% (on
 every rank), or 2 for a wrong launch, wrong options or missing data.
+
+With --checkpoint-dir every rank saves its own stages, optimizer, learning-rate schedule and position every
+--checkpoint-every steps and at the end; started again it resumes from the newest complete checkpoint.
 """
 from __future__ import annotations
 
@@ -62,6 +66,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", choices=["gloo", "shm"], default=None,
                         help="process-group backend (default: $TORCHPAR_BACKEND, else gloo)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
+                        help="save checkpoints here and resume from the newest one (a folder every rank sees)")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     return parser.parse_args()
 
 
@@ -152,12 +159,28 @@ def main() -> int:
 
     from tqdm import tqdm
 
+    total = args.epochs * steps_per_epoch
+    checkpoints = torchpar.checkpoint.Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
+    done = 0  # steps already taken; the batches are a function of the epoch, so they are skipped
+    if checkpoints is not None and (latest := checkpoints.latest_step()) is not None:
+        state = checkpoints.load(latest)  # this rank's own stages
+        pipe.load_state_dict(state["pipeline"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torchpar.checkpoint.set_rng_state(state["rng"])
+        done = latest
+        logger.info("resumed from the checkpoint of step %d of %d", done, total)
+
     start = time.perf_counter()
-    progress = tqdm(total=args.epochs * steps_per_epoch, desc="train", unit="step", disable=rank != 0)
+    progress = tqdm(total=total, initial=done, desc="train", unit="step", disable=rank != 0)
     for module in pipe.stage_modules.values():
         module.train()
+    step = 0
     for epoch in range(args.epochs):
         for indices in batches(len(train_x), args.batch_size, epoch, args.seed):
+            step += 1
+            if step <= done:
+                continue
             mine = indices[replica * share:(replica + 1) * share]
             optimizer.zero_grad()
             # Only the first stage reads the inputs and only the last one the labels.
@@ -165,6 +188,9 @@ def main() -> int:
                              train_y[mine] if pipe.is_last_stage else None)
             optimizer.step()
             scheduler.step()
+            if checkpoints is not None and (step % args.checkpoint_every == 0 or step == total):
+                checkpoints.save(step, {"pipeline": pipe.state_dict(), "optimizer": optimizer.state_dict(),
+                                        "scheduler": scheduler.state_dict(), "rng": torchpar.checkpoint.rng_state()})
             # (With --data-parallel: the loss of replica 0's share of the batch.)
             progress.set_postfix(epoch=epoch + 1, loss=f"{float(loss):.3f}", refresh=False)
             progress.update()

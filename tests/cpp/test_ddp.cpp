@@ -11,6 +11,10 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <sstream>
 
 #include <torchpar/ddp/bucket_assignment.h>
 #include <torch/cuda.h>
@@ -129,6 +133,38 @@ TEST_CASE("C++ DistributedDataParallel trains like one process on the global bat
       }
     }
   }
+}
+
+TEST_CASE("C++ DDP keeps averaging after Module::load replaces the parameters' storage (a checkpoint)") {
+  run_on_ranks(2, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    auto model = make_mlp();
+    DistributedDataParallel ddp(model, DistributedDataParallelOptions().process_group(pg));
+    // A checkpoint of other weights, loaded after wrapping: LibTorch's load uses set_, which makes
+    // autograd replace each parameter's gradient accumulator.
+    auto saved = make_mlp();
+    for (auto& parameter : saved->parameters()) {
+      torch::NoGradGuard no_grad;
+      parameter.uniform_(-1, 1);
+    }
+    torch::serialize::OutputArchive out;
+    saved->save(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    const std::string data = bytes.str();
+    torch::serialize::InputArchive in;
+    in.load_from(data.data(), data.size());
+    model->load(in);
+    torch::nn::Sequential reference(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone()));
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    torch::optim::SGD reference_optimizer(reference->parameters(), 0.1);
+    for (const auto& batch : global_batches(world, kPerRank, kSteps)) {
+      optimizer.zero_grad();
+      at::mse_loss(ddp(batch.inputs.chunk(world)[rank]), batch.targets.chunk(world)[rank]).backward();
+      optimizer.step();
+      reference_step(reference, reference_optimizer, batch);
+    }
+    CHECK(max_difference(model, reference) < 1e-5);
+  }, on("gloo"));
 }
 
 TEST_CASE("C++ no_sync guard accumulates locally; the next synchronised backward averages the sum") {

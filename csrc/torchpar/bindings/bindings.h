@@ -4,6 +4,7 @@
 namespace torchpar::bindings {
 
 // One function per subsystem, each in its own file; module.cpp calls them all.
+void bind_checkpoint(pybind11::module_& module);
 void bind_comm(pybind11::module_& module);
 void bind_ddp(pybind11::module_& module);
 void bind_pipeline(pybind11::module_& module);

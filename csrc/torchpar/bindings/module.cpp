@@ -16,6 +16,7 @@ PYBIND11_MODULE(_C, module) {
       PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     }
   });
+  torchpar::bindings::bind_checkpoint(module);
   torchpar::bindings::bind_comm(module);
   torchpar::bindings::bind_ddp(module);
   torchpar::bindings::bind_pipeline(module);

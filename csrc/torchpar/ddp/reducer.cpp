@@ -1,7 +1,7 @@
 #include <torchpar/ddp/reducer.h>
 
 #include <torchpar/ddp/bucket_assignment.h>
-#include <torchpar/ddp/control_collectives.h>
+#include <torchpar/common/control_collectives.h>
 #include <torchpar/ddp/timeline.h>
 
 #include <ATen/ScalarOps.h>
@@ -155,14 +155,32 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
 }
 
 void Reducer::install_hooks() {
+  hook_keys_.resize(parameters_.size());
+  grad_accumulators_.resize(parameters_.size());
+  grad_accumulator_owners_.resize(parameters_.size());
   for (const auto i : c10::irange(parameters_.size())) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[i]);
-    TORCH_CHECK(accumulator, "DistributedDataParallel: parameter ", names_[i], " has no gradient accumulator");
-    hook_keys_.push_back(
-        accumulator->add_post_hook(std::make_unique<GradientReadyHook>([this, i] { on_gradient_accumulated(i); })));
-    // Held so the hooks stay installed; torch 2.11 hands out a shared_ptr, 2.15 an intrusive_ptr.
-    grad_accumulators_.push_back(accumulator.get());
-    grad_accumulator_owners_.emplace_back(static_cast<void*>(accumulator.get()), [owner = accumulator](void*) {});
+    attach_hook(i);
+  }
+}
+
+void Reducer::attach_hook(size_t index) {
+  auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[index]);
+  TORCH_CHECK(accumulator, "DistributedDataParallel: parameter ", names_[index], " has no gradient accumulator");
+  hook_keys_[index] = accumulator->add_post_hook(
+      std::make_unique<GradientReadyHook>([this, index] { on_gradient_accumulated(index); }));
+  // Held so the hooks stay installed; torch 2.11 hands out a shared_ptr, 2.15 an intrusive_ptr.
+  grad_accumulators_[index] = accumulator.get();
+  grad_accumulator_owners_[index] = std::shared_ptr<void>(static_cast<void*>(accumulator.get()),
+                                                          [owner = accumulator](void*) {});
+}
+
+void Reducer::follow_replaced_grad_accumulators() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto i : c10::irange(parameters_.size())) {
+    if (torch::autograd::impl::grad_accumulator(parameters_[i]).get() != grad_accumulators_[i]) {
+      grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+      attach_hook(i);
+    }
   }
 }
 

@@ -57,6 +57,12 @@ class Reducer {
   // with find_unused_parameters, finds the parameters the outputs do not depend on.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
+  // Called after every forward: moves the hook of a parameter whose gradient accumulator autograd
+  // replaced to the new one. Replacing a parameter's storage with set_ (LibTorch's Module::load does,
+  // to load a checkpoint) makes autograd drop the accumulator the hook sits on; without this, that
+  // parameter's gradient would silently stop being averaged and the replicas would drift apart.
+  void follow_replaced_grad_accumulators();
+
   // What a rank that has run out of data does while others still train (join): the same collectives
   // as one synchronised backward, contributing zero gradients, without touching its own gradients.
   void shadow_backward();
@@ -94,6 +100,7 @@ class Reducer {
 
   void build_buckets(const std::vector<size_t>& order);
   void install_hooks();
+  void attach_hook(size_t index);
   void on_gradient_accumulated(size_t index);
   void mark_ready(size_t index, bool produced_by_autograd);
   void launch_ready_buckets();

@@ -1,6 +1,6 @@
 #include <torchpar/ddp/replica_coordinator.h>
 
-#include <torchpar/ddp/control_collectives.h>
+#include <torchpar/common/control_collectives.h>
 #include <torchpar/ddp/reducer.h>
 #include <torchpar/ddp/timeline.h>
 
@@ -214,6 +214,7 @@ void ReplicaCoordinator::pre_forward(bool will_sync) {
 
 void ReplicaCoordinator::post_forward(const std::vector<at::Tensor>& outputs, bool will_sync) {
   sync_buffers_next_forward_ = will_sync;
+  reducer_->follow_replaced_grad_accumulators();
   if (will_sync) {
     reducer_->prepare_for_backward(outputs);
   }

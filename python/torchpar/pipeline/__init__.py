@@ -14,7 +14,7 @@ partitioner are the C++ engine's; see them before running with ``python -m torch
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -162,6 +162,21 @@ class Pipeline:
     def parameters(self) -> list[torch.Tensor]:
         """This rank's parameters: what its optimizer steps on."""
         return self._engine.parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's stages (their layers' parameters and buffers) and the cut they belong to: what
+        each rank saves in a checkpoint (see torchpar.checkpoint)."""
+        return {"balance": list(self.balance), "stages": list(self.stages), "modules": self.stage_modules.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads what ``state_dict`` returned on this rank; the pipeline must be cut the same way."""
+        if state["balance"] != list(self.balance) or state["stages"] != list(self.stages):
+            raise ValueError(
+                f"this checkpoint holds stages {state['stages']} of the cut {state['balance']} (layers per stage); "
+                f"this rank runs stages {list(self.stages)} of {list(self.balance)}: build the Pipeline with "
+                f"balance={state['balance']} to resume it"
+            )
+        self.stage_modules.load_state_dict(state["modules"])
 
     @property
     def stages(self) -> list[int]:

@@ -1,9 +1,9 @@
-#include <torchpar/ddp/control_collectives.h>
+#include <torchpar/common/control_collectives.h>
 
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-namespace torchpar::ddp {
+namespace torchpar {
 
 at::Tensor all_reduce_sum(c10d::ProcessGroup& group, const at::Tensor& tensor, at::Device device) {
   std::vector<at::Tensor> tensors{tensor.to(device)};
@@ -33,4 +33,4 @@ at::Tensor broadcast(c10d::ProcessGroup& group, const at::Tensor& tensor, at::De
   return tensors[0].cpu();
 }
 
-} // namespace torchpar::ddp
+} // namespace torchpar

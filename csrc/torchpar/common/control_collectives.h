@@ -1,6 +1,6 @@
-// The small collectives DDP runs for bookkeeping (used-parameter maps, bucket orders, join status,
-// the replica check): blocking, on the replica's device (NCCL groups take no CPU tensors), results
-// back on the CPU for reading.
+// Small blocking collectives for bookkeeping (DDP's used-parameter maps, bucket orders, join status
+// and replica check; checkpoints' agreement): on a given device (NCCL groups take no CPU tensors),
+// results back on the CPU for reading.
 #pragma once
 #include <torchpar/comm/c10d_fwd.h>
 
@@ -8,7 +8,7 @@
 
 #include <vector>
 
-namespace torchpar::ddp {
+namespace torchpar {
 
 at::Tensor all_reduce_sum(c10d::ProcessGroup& group, const at::Tensor& tensor, at::Device device);
 // Every rank's copy of `tensor` (all the same shape), in rank order.
@@ -16,4 +16,4 @@ std::vector<at::Tensor> all_gather(c10d::ProcessGroup& group, const at::Tensor& 
 // Rank `root`'s `tensor` on every rank.
 at::Tensor broadcast(c10d::ProcessGroup& group, const at::Tensor& tensor, at::Device device, int root = 0);
 
-} // namespace torchpar::ddp
+} // namespace torchpar
