@@ -125,6 +125,17 @@ Checkpointer::Checkpointer(std::string directory, c10::intrusive_ptr<c10d::Proce
   TORCH_CHECK(group_, "torchpar.Checkpointer: no process group");
   TORCH_CHECK(!directory_.empty(), "torchpar.Checkpointer: no directory");
   TORCH_CHECK(options_.keep() >= 1, "torchpar.Checkpointer: keep must be at least 1, got ", options_.keep());
+  peers_ = PeerProcesses::gather(*group_, options_.control_device());
+}
+
+at::Tensor Checkpointer::agree(const at::Tensor& tensor, bool broadcast_from_0) {
+  try {
+    return broadcast_from_0 ? broadcast(*group_, tensor, options_.control_device(), 0)
+                            : all_reduce_sum(*group_, tensor, options_.control_device());
+  } catch (const std::exception& error) {
+    TORCH_CHECK(false, peers_.explain(c10::str("torchpar.Checkpointer (", directory_, "): a rank did not take part: ",
+                                               message_of(error))));
+  }
 }
 
 void Checkpointer::save(int64_t step, const std::function<void(torch::serialize::OutputArchive&)>& write) {
@@ -162,7 +173,7 @@ void Checkpointer::commit(int64_t step, const std::optional<std::string>& bytes,
   // Every rank learns every rank's file size (0: it failed), so all agree on the outcome.
   auto sizes = at::zeros({world}, at::kLong);
   sizes.data_ptr<int64_t>()[rank] = error.empty() ? static_cast<int64_t>(bytes->size()) + 1 : 0;
-  sizes = all_reduce_sum(*group_, sizes, options_.control_device());
+  sizes = agree(sizes, /*broadcast_from_0=*/false);
   Manifest manifest{step, world, {}};
   std::string failed;
   for (int r = 0; r < world; ++r) {
@@ -188,7 +199,7 @@ void Checkpointer::commit(int64_t step, const std::optional<std::string>& bytes,
   }
   auto completed = at::zeros({1}, at::kLong);
   completed.data_ptr<int64_t>()[0] = manifest_error.empty() ? 1 : 0;
-  completed = broadcast(*group_, completed, options_.control_device(), 0);
+  completed = agree(completed, /*broadcast_from_0=*/true);
   TORCH_CHECK(completed.item<int64_t>() == 1, "torchpar.Checkpointer: checkpoint step ", step, " in ", directory_,
               ": rank 0 could not complete it",
               manifest_error.empty() ? "" : " (" + manifest_error + ")", "; the previous checkpoints are kept");
@@ -227,7 +238,7 @@ std::optional<int64_t> Checkpointer::latest_step() {
   }
   auto agreed = at::zeros({1}, at::kLong);
   agreed.data_ptr<int64_t>()[0] = newest;
-  newest = broadcast(*group_, agreed, options_.control_device(), 0).item<int64_t>();
+  newest = agree(agreed, /*broadcast_from_0=*/true).item<int64_t>();
   return newest >= 0 ? std::optional<int64_t>(newest) : std::nullopt;
 }
 

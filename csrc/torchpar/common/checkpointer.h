@@ -4,7 +4,9 @@
 // manifest does not count, so a job killed mid-save resumes from the step before.
 #pragma once
 #include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/peer_processes.h>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
@@ -32,6 +34,7 @@ struct CheckpointerOptions {
 //   directory/step-000000000120/rank-1-of-4.pt ... MANIFEST
 class Checkpointer {
  public:
+  // Collective (it learns which process is which rank, to name a rank that dies during a save).
   Checkpointer(std::string directory, c10::intrusive_ptr<c10d::ProcessGroup> group,
                CheckpointerOptions options = {});
 
@@ -54,10 +57,13 @@ class Checkpointer {
   // with `local_error`.
   void commit(int64_t step, const std::optional<std::string>& bytes, const std::string& local_error);
   void remove_superseded(int64_t newest) const;
+  // One of the save's collectives, its failure naming the rank that died or stopped.
+  at::Tensor agree(const at::Tensor& tensor, bool broadcast_from_0);
 
   std::string directory_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   CheckpointerOptions options_;
+  PeerProcesses peers_;
 };
 
 // The random number generators' states (CPU, and each CUDA device present), so that dropout and

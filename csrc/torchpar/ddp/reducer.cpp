@@ -46,12 +46,14 @@ Reducer::Reducer(
     std::vector<std::string> names,
     c10::intrusive_ptr<c10d::ProcessGroup> process_group,
     ReducerOptions options,
-    std::shared_ptr<Timeline> timeline)
+    std::shared_ptr<Timeline> timeline,
+    PeerProcesses peers)
     : parameters_(std::move(parameters)),
       names_(std::move(names)),
       process_group_(std::move(process_group)),
       options_(options),
-      timeline_(std::move(timeline)) {
+      timeline_(std::move(timeline)),
+      peers_(std::move(peers)) {
   TORCH_CHECK(process_group_, "DistributedDataParallel: no process group given");
   TORCH_CHECK(!parameters_.empty(), "DistributedDataParallel: the module has no parameters that require grad");
   TORCH_CHECK(
@@ -410,8 +412,9 @@ at::Tensor Reducer::reduced_result(size_t bucket_index, const c10::intrusive_ptr
   if (future->hasError()) {
     const auto& bucket = buckets_[bucket_index];
     TORCH_CHECK(
-        false, "the all-reduce of gradient bucket ", bucket_index, " (", describe(bucket.parameter_indices),
-        ") failed: ", future->tryRetrieveErrorMessage());
+        false, peers_.explain(c10::str("the all-reduce of gradient bucket ", bucket_index, " (",
+                                       describe(bucket.parameter_indices), ") failed: ",
+                                       future->tryRetrieveErrorMessage())));
   }
   if (!comm_hook_) {
     return {};
@@ -450,9 +453,8 @@ at::Tensor Reducer::all_reduce_used_map(at::Tensor used) {
   try {
     return all_reduce_sum(*process_group_, used, device()).gt(0);
   } catch (const std::exception& error) {
-    TORCH_CHECK(
-        false, "DistributedDataParallel (rank ", rank(), "): the all-reduce of the used-parameter map failed: ",
-        error.what());
+    TORCH_CHECK(false, peers_.explain(c10::str("DistributedDataParallel (rank ", rank(),
+                                               "): the all-reduce of the used-parameter map failed: ", error.what())));
   }
 }
 

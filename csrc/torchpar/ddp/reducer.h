@@ -4,6 +4,7 @@
 // writes the averaged gradients back to the parameters (or leaves them as views of the buckets).
 #pragma once
 #include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/peer_processes.h>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -43,7 +44,8 @@ class Reducer {
       std::vector<std::string> names,
       c10::intrusive_ptr<c10d::ProcessGroup> process_group,
       ReducerOptions options,
-      std::shared_ptr<Timeline> timeline = nullptr);
+      std::shared_ptr<Timeline> timeline = nullptr,
+      PeerProcesses peers = {});
   ~Reducer();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
@@ -127,6 +129,7 @@ class Reducer {
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   ReducerOptions options_;
   std::shared_ptr<Timeline> timeline_;
+  PeerProcesses peers_;  // to name the rank that died when a bucket's all-reduce fails
   std::unique_ptr<c10d::CommHookInterface> comm_hook_;
   at::Tensor average_scale_;  // 1 / world size, a wrapped scalar as torch's reducer multiplies by
 

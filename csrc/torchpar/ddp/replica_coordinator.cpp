@@ -83,6 +83,7 @@ ReplicaCoordinator::ReplicaCoordinator(
   if (options_.init_sync()) {
     verify_replicas_match();
     broadcast_state(/*source_rank=*/0, /*include_parameters=*/true, options_.init_sync_buffers());
+    peers_ = PeerProcesses::gather(*options_.process_group(), device());
   }
   timeline_ = Timeline::from_environment(options_.process_group()->getRank());
 
@@ -109,7 +110,7 @@ ReplicaCoordinator::ReplicaCoordinator(
   reducer_options.gradient_as_bucket_view = options_.gradient_as_bucket_view();
   reducer_options.static_graph = options_.static_graph();
   reducer_ = std::make_unique<Reducer>(
-      std::move(trainable), std::move(names), options_.process_group(), reducer_options, timeline_);
+      std::move(trainable), std::move(names), options_.process_group(), reducer_options, timeline_, peers_);
 }
 
 ReplicaCoordinator::~ReplicaCoordinator() = default;
@@ -192,6 +193,14 @@ bool ReplicaCoordinator::will_sync() const {
 }
 
 void ReplicaCoordinator::pre_forward(bool will_sync) {
+  try {
+    synchronise_before_forward(will_sync);
+  } catch (const c10::Error& error) {
+    TORCH_CHECK(false, peers_.explain(error.what_without_backtrace()));
+  }
+}
+
+void ReplicaCoordinator::synchronise_before_forward(bool will_sync) {
   forward_began_at_ = std::chrono::system_clock::now();
   const bool broadcast_buffers = options_.broadcast_buffers() && !buffers_.empty() && sync_buffers_next_forward_;
   int buffer_source = 0;

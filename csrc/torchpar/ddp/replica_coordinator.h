@@ -3,6 +3,7 @@
 // rank holds the same parameters and copies rank 0's values; per forward broadcasts buffers and arms
 // the Reducer; no_sync; and join, which lets ranks that ran out of data shadow the others' collectives.
 #pragma once
+#include <torchpar/common/peer_processes.h>
 #include <torchpar/ddp/options.h>
 
 #include <ATen/core/Tensor.h>
@@ -67,6 +68,8 @@ class ReplicaCoordinator {
 
  private:
   void verify_replicas_match() const;
+  // pre_forward's collectives: join status, bucket rebuild, buffers.
+  void synchronise_before_forward(bool will_sync);
   at::Device device() const;
   void broadcast_state(int source_rank, bool include_parameters, bool include_buffers = true);
   struct JoinStatus {
@@ -80,6 +83,7 @@ class ReplicaCoordinator {
   NamedTensors parameters_;
   NamedTensors buffers_;
   DistributedDataParallelOptions options_;
+  PeerProcesses peers_;  // gathered with the construction check: names the rank that died in errors
   std::shared_ptr<Timeline> timeline_;
   std::unique_ptr<Reducer> reducer_;
   bool grad_sync_ = true;

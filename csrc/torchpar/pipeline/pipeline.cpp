@@ -159,6 +159,7 @@ void Pipeline::build(std::vector<LayerFactory> factories, LossFn loss) {
   // backend is NCCL (a rank whose stages hold no parameters cannot tell from its own).
   const c10::Device device = nccl ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
   links_ = std::make_unique<StageLinks>(options_.process_group(), device);
+  peers_ = PeerProcesses::gather(group, device);
   if (options_.data_parallel_group() && options_.data_parallel_group()->getSize() > 1) {
     replica_gradients_ = std::make_unique<ReplicaGradients>(options_.data_parallel_group(),
                                                             std::move(stage_parameters), options_.bucket_cap_mb());
@@ -323,7 +324,7 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
     // The peers' view of this step is unknown (which transfers and all-reduces completed), so no
     // later step could be trusted to pair its messages with theirs.
     failed_ = true;
-    throw;
+    peers_.rethrow_naming_lost();
   }
 
   if (!options_.loss_on_all_ranks()) {
@@ -334,7 +335,12 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
                           : c10::Device(c10::kCPU);
   std::vector<at::Tensor> loss{has_last_stage() ? loss_sum.detach().reshape({1}).to(device, at::kDouble)
                                                 : at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device))};
-  options_.process_group()->broadcast(loss, {stage_rank(last), 0})->wait();
+  try {
+    options_.process_group()->broadcast(loss, {stage_rank(last), 0})->wait();
+  } catch (...) {
+    failed_ = true;
+    peers_.rethrow_naming_lost();
+  }
   return has_last_stage() ? loss_sum : loss[0].reshape({}).to(at::kCPU, at::kFloat);
 }
 
@@ -348,7 +354,7 @@ Tensors Pipeline::forward(const Tensors& inputs) {
     }
     links_->discard_pending();
     failed_ = true;
-    throw;
+    peers_.rethrow_naming_lost();
   }
 }
 

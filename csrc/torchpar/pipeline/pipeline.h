@@ -9,6 +9,7 @@
 //   auto loss = pipe.step(inputs, targets);   // forward + backward of the whole batch
 //   optimizer.step();
 #pragma once
+#include <torchpar/common/peer_processes.h>
 #include <torchpar/pipeline/layer.h>
 #include <torchpar/pipeline/options.h>
 #include <torchpar/pipeline/schedules.h>
@@ -82,6 +83,7 @@ class Pipeline {
   std::vector<std::unique_ptr<PipelineStage>> stages_;  // this rank's, in increasing stage order
   std::unique_ptr<StageLinks> links_;
   std::unique_ptr<ReplicaGradients> replica_gradients_;
+  PeerProcesses peers_;  // to name the rank that died or stopped in a failed step's error
 };
 
 } // namespace torchpar::pipeline

@@ -44,6 +44,7 @@ struct Deferred {
   int64_t id = 0;
   Request request;
   at::Tensor payload; // keeps the request's data alive
+  std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
 };
 
 class Server {
@@ -130,6 +131,7 @@ class Server {
   ServerOptions options_;
 
   std::vector<WorkerState> states_;
+  std::vector<Clock::time_point> last_heard_; // each worker's last message: a silent one is dropped
   std::vector<std::unique_ptr<Table>> tables_;
   std::map<std::string, uint32_t> table_ids_;
   std::map<std::string, c10::impl::GenericDict> restored_;
@@ -190,6 +192,7 @@ void Server::reply_error(int worker, int64_t id, const std::string& reason) {
 
 ServerSummary Server::run() {
   std::unique_lock<std::mutex> lock(mutex_);
+  last_heard_.assign(num_workers(), Clock::now());
   for (int w = 0; w < num_workers(); ++w) {
     auto deliver = [this](Event event) {
       {
@@ -252,6 +255,7 @@ void Server::handle(Event&& event) {
 
 void Server::handle_message(int worker, Message&& message) {
   const Frame frame = message.frame;
+  last_heard_[worker] = Clock::now();
   summary_.requests += 1;
   summary_.bytes_in += Frame::kFields * 8 + frame.payload_bytes;
   if (states_[worker] == WorkerState::Lost) {
@@ -260,7 +264,7 @@ void Server::handle_message(int worker, Message&& message) {
     } else {
       reply_error(worker, frame.request_id,
                   "torchpar.ps: " + who(worker) + " was dropped by server " + std::to_string(index_) +
-                      " (it missed a BSP round for longer than the timeout); its requests are refused");
+                      " (it was silent for longer than the timeout); its requests are refused");
     }
     return;
   }
@@ -572,10 +576,29 @@ void Server::refuse_waiting(int worker, const std::string& reason) {
 }
 
 void Server::drop_late_workers() {
+  const auto now = Clock::now();
   if (options_.consistency != Consistency::BSP) {
+    // Without rounds, a silent worker holds things up only when the others wait for it: an SSP read
+    // waiting for the slowest clock, or the service's end once every other worker is done. Then
+    // silence past the timeout counts as lost (a worker that is merely idle meanwhile is not).
+    const bool read_waits_too_long = std::any_of(deferred_.begin(), deferred_.end(), [&](const Deferred& read) {
+      return now - read.since >= options_.timeout;
+    });
+    if (!read_waits_too_long && active_count() > 1) {
+      return;
+    }
+    std::vector<bool> waiting(num_workers(), false); // a worker whose read waits is quiet, not silent
+    for (const auto& read : deferred_) {
+      waiting[read.worker] = true;
+    }
+    for (int w = 0; w < num_workers(); ++w) {
+      if (states_[w] == WorkerState::Active && !waiting[w] && now - last_heard_[w] >= options_.timeout) {
+        lose(w, "it sent nothing for longer than the timeout (" + std::to_string(options_.timeout.count()) + " ms)" +
+                    (read_waits_too_long ? " while other workers' reads waited for it" : ""));
+      }
+    }
     return;
   }
-  const auto now = Clock::now();
   for (const auto& table : tables_) {
     if (table->rounds.empty() || table->rounds.begin()->first != table->applied) {
       continue;

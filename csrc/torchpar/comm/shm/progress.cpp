@@ -15,6 +15,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <torchpar/comm/process_state.h>
+
 namespace torchpar::comm::shm {
 namespace {
 
@@ -36,23 +38,10 @@ void cpu_relax() {
 #endif
 }
 
-// Gone, or a zombie waiting to be reaped: either way it will never advance again. Only knowable
-// for a peer in our PID namespace (containers sharing /dev/shm may not share PIDs).
+// It will never advance again. Only knowable for a peer in our PID namespace (containers sharing
+// /dev/shm may not share PIDs).
 bool process_dead(const RankControl& peer) {
-  if (peer.pid == 0 || peer.pid_namespace != pid_namespace()) {
-    return false;
-  }
-  const int pid = peer.pid;
-  if (::kill(pid, 0) != 0 && errno == ESRCH) {
-    return true;
-  }
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text;
-  if (!std::getline(stat, text)) {
-    return false;
-  }
-  const auto close = text.rfind(')');
-  return close != std::string::npos && close + 2 < text.size() && text[close + 2] == 'Z';
+  return peer.pid != 0 && peer.pid_namespace == pid_namespace() && process_state(peer.pid) == ProcessState::Exited;
 }
 
 void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::nanoseconds timeout) {
@@ -79,14 +68,6 @@ std::string ranks_behind(RankControl* controls, int world, uint32_t target, bool
 }
 
 } // namespace
-
-uint64_t pid_namespace() {
-  static const uint64_t ours = [] {
-    struct stat info {};
-    return ::stat("/proc/self/ns/pid", &info) == 0 ? static_cast<uint64_t>(info.st_ino) : uint64_t{0};
-  }();
-  return ours;
-}
 
 void advance(RankControl& mine) {
   // seq_cst on both sides of the sleeper handshake: the waker must see a sleeper that registered

@@ -8,9 +8,6 @@
 
 namespace torchpar::comm::shm {
 
-// Identifies this process's PID namespace; peers record theirs beside their pid.
-uint64_t pid_namespace();
-
 // Marks one more phase done by this rank and wakes ranks sleeping on it. Data written before it is
 // visible to every rank that then sees the new count.
 void advance(RankControl& mine);
