@@ -1,5 +1,6 @@
 #include <torchpar/ps/optimizer.h>
 
+#include <ATen/TensorOperators.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/zeros_like.h>
