@@ -1,6 +1,7 @@
 #include <torchpar/ps/request_checks.h>
 
 #include <torchpar/ps/dense_table.h>
+#include <torchpar/ps/optimizer.h>
 #include <torchpar/ps/sparse_table.h>
 
 #include <c10/util/Exception.h>
@@ -55,8 +56,11 @@ void check_items(const Request& request, const Tables& tables, int worker, const
 }
 
 void check_learning_rate(const Request& request, const Tables& tables, int server_index) {
-  table_by_id(tables, request.table, server_index);
+  const auto& table = table_by_id(tables, request.table, server_index);
   TORCH_CHECK(request.lr >= 0, "learning rate ", request.lr, " is negative");
+  auto updated = table.optimizer();
+  updated.lr = request.lr;
+  check_optimizer(updated, table.dtype(), table.name());
 }
 
 void check_registration(const Table& table, const DenseRegistration& registration) {

@@ -22,7 +22,8 @@ Table& table_by_id(const Tables& tables, uint32_t id, int server_index);
 // ids can be read for the table's sizes.
 void check_items(const Request& request, const Tables& tables, int worker, const std::string& who, int server_index);
 
-// A set-learning-rate request: a table of this server, a learning rate that is not negative.
+// A set-learning-rate request: a table of this server, a learning rate that is not negative and that
+// the table's optimizer can step with (check_optimizer).
 void check_learning_rate(const Request& request, const Tables& tables, int server_index);
 
 // A registration of a table the server already holds (created by it, restored, or registered
