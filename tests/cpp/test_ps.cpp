@@ -23,6 +23,7 @@
 #include <torchpar/ps/remote_parameters.h>
 #include <torchpar/ps/request_checks.h>
 #include <torchpar/ps/service.h>
+#include <torchpar/ps/sparse_table.h>
 
 #include "harness.h"
 
@@ -115,6 +116,18 @@ TEST_CASE("a learning rate is refused when the table's dtype cannot hold its ste
   CHECK_THROWS_WITH(set_learning_rate(0, 1e300), Contains("lr 1e+300 is not in [0, 3.40282e+38] (Float)"));
   CHECK_THROWS_WITH(set_learning_rate(0, -1), Contains("learning rate -1 is negative"));
   CHECK_THROWS_WITH(set_learning_rate(2, 0.1), Contains("unknown table id 2"));
+}
+
+// The first touch used to make room for 1024 rows whatever their width: 256 MiB here, 4 GiB (12 with
+// Adam's state) for one row at the widest rows a registration allows, from a 235-byte message
+// (tests/fuzz/regressions/sparse-wide-row-first-touch).
+TEST_CASE("touching one row of a very wide sparse table allocates about that row, not a thousand") {
+  ps::SparseTable table("wide", c10::kFloat, 1000, 1 << 16, ps::RowInitializer::zeros(),
+                        ps::OptimizerConfig::adagrad(0.1), 1);
+  const int64_t id = 7;
+  CHECK(table.read_rows(&id, 1).sizes() == at::IntArrayRef{1, 1 << 16});
+  CHECK(table.touched_rows() == 1);
+  CHECK(table.bytes() <= 2 * (int64_t{1} << 20) + 4096); // values and Adagrad's sums: 4 rows of 256 KiB each
 }
 
 TEST_CASE("dense server-side optimizers take torch::optim's steps") {
