@@ -15,6 +15,9 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#endif
 
 #include "catch_with_torch.h"
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -129,6 +132,12 @@ std::string describe_exit(int status) {
   std::cout.flush();
   std::cerr.flush();
   std::fflush(nullptr);
+#if defined(__SANITIZE_ADDRESS__)
+  // _exit skips LeakSanitizer's check at exit, and the ranks are where torchpar's code runs.
+  if (__lsan_do_recoverable_leak_check() != 0) {
+    code = 1;
+  }
+#endif
   ::_exit(code);
 }
 

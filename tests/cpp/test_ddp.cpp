@@ -167,7 +167,7 @@ TEST_CASE("C++ DDP keeps averaging after Module::load replaces the parameters' s
   }, on("gloo"));
 }
 
-TEST_CASE("C++ no_sync guard accumulates locally; the next synchronised backward averages the sum") {
+TEST_CASE("C++ no_sync guard accumulates locally, and the next synchronised backward averages the sum") {
   run_on_ranks(2, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     auto model = make_mlp();
     torch::nn::Sequential reference(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone()));

@@ -66,7 +66,7 @@ void check_gradients_match(const pp::Pipeline& pipe, const torch::nn::Sequential
 
 } // namespace
 
-TEST_CASE("every schedule is complete and deadlock-free; 1F1B's bubble is (p-1)/(m+p-1)") {
+TEST_CASE("every schedule is complete and deadlock-free, and 1F1B's bubble is (p-1)/(m+p-1)") {
   for (int ranks = 1; ranks <= 6; ++ranks) {
     for (int m = 1; m <= 12; ++m) {
       for (auto kind : {pp::ScheduleKind::GPipe, pp::ScheduleKind::OneFOneB, pp::ScheduleKind::ZeroBubbleH1}) {

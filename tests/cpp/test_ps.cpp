@@ -1,6 +1,7 @@
 // torchpar::ps from C++: the wire format's defences, the dense optimizers against torch::optim, and
 // LibTorch modules trained through the servers (RemoteParameters + Embedding) against
 // single-process training of the same global batch.
+#include <cmath>
 #include <cstring>
 
 #include "catch_with_torch.h"
@@ -8,17 +9,21 @@
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/zeros.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include <torchpar/ps/dense_table.h>
 #include <torchpar/ps/embedding.h>
 #include <torchpar/ps/messages.h>
 #include <torchpar/ps/optimizer.h>
 #include <torchpar/ps/remote_parameters.h>
+#include <torchpar/ps/request_checks.h>
 #include <torchpar/ps/service.h>
+#include <torchpar/ps/sparse_table.h>
 
 #include "harness.h"
 
@@ -63,6 +68,66 @@ TEST_CASE("a request decodes only when every field is there and nothing is left 
                     Contains("unknown request kind 77"));
   int64_t frame[ps::Frame::kFields] = {0, 3, 1, 0};
   CHECK_THROWS_WITH(ps::decode_frame(frame), Contains("magic"));
+}
+
+// Each was accepted before, and then made every update of the table throw (the wire fuzzer's first
+// finding: an Adam beta1 of -1e300, so that 1 - beta1 overflowed float32), or drew rows outside the
+// distributions' preconditions.
+TEST_CASE("a registration is refused when its optimizer could not step the table or its initializer draw rows") {
+  auto register_sparse = [](const ps::OptimizerConfig& optimizer, const ps::RowInitializer& initializer) {
+    ps::WireWriter writer;
+    ps::encode_registration(writer, ps::SparseRegistration{"e", c10::kFloat, 10, 4, initializer, optimizer});
+    const auto payload = writer.release();
+    ps::decode_request(ps::MessageKind::RegisterSparse, payload.data(), payload.size());
+  };
+  const auto adam = ps::OptimizerConfig::adam(0.01);
+  const auto uniform = ps::RowInitializer::uniform(-0.1, 0.1);
+  CHECK_NOTHROW(register_sparse(adam, uniform));
+  CHECK_NOTHROW(register_sparse(ps::OptimizerConfig::adagrad(0.1), ps::RowInitializer::normal(0, 0.01)));
+  CHECK_THROWS_WITH(register_sparse(ps::OptimizerConfig::adam(0.01, -1e300), uniform),
+                    Contains("table 'e'") && Contains("beta1 -1e+300 is not in [0, 1)"));
+  CHECK_THROWS_WITH(register_sparse(ps::OptimizerConfig::adam(0.01, 0.9, 1.0), uniform), Contains("beta2 1 is not"));
+  // lr fits in float32, the first step's lr / (1 - beta1) does not.
+  CHECK_THROWS_WITH(register_sparse(ps::OptimizerConfig::adam(1e38, 0.99), uniform),
+                    Contains("the first step's size lr / (1 - beta1)") && Contains("(Float)"));
+  CHECK_THROWS_WITH(register_sparse(ps::OptimizerConfig::sgd(std::nan("")), uniform), Contains("lr nan is not"));
+  CHECK_THROWS_WITH(register_sparse(ps::OptimizerConfig::adagrad(0.1, -1), uniform), Contains("eps -1 is not"));
+  CHECK_THROWS_WITH(register_sparse(adam, ps::RowInitializer::uniform(1, -1)),
+                    Contains("uniform initializer over [1, -1)"));
+  CHECK_THROWS_WITH(register_sparse(adam, ps::RowInitializer::uniform(0, INFINITY)), Contains("uniform initializer"));
+  CHECK_THROWS_WITH(register_sparse(adam, ps::RowInitializer::normal(0, -1)), Contains("normal initializer"));
+}
+
+TEST_CASE("a learning rate is refused when the table's dtype cannot hold its steps") {
+  ps::Tables tables;
+  for (auto dtype : {c10::kFloat, c10::kDouble}) {
+    tables.push_back(std::make_unique<ps::DenseTable>("w", std::vector<int64_t>{3}, 0, 3, at::zeros({3}, dtype),
+                                                      ps::OptimizerConfig::sgd(0.1), 1));
+  }
+  auto set_learning_rate = [&](uint32_t table, double lr) {
+    ps::WireWriter writer;
+    ps::encode_learning_rate(writer, table, lr);
+    const auto payload = writer.release();
+    ps::check_learning_rate(ps::decode_request(ps::MessageKind::SetLearningRate, payload.data(), payload.size()),
+                            tables, 0);
+  };
+  CHECK_NOTHROW(set_learning_rate(0, 0.5));
+  CHECK_NOTHROW(set_learning_rate(1, 1e300));
+  CHECK_THROWS_WITH(set_learning_rate(0, 1e300), Contains("lr 1e+300 is not in [0, 3.40282e+38] (Float)"));
+  CHECK_THROWS_WITH(set_learning_rate(0, -1), Contains("learning rate -1 is negative"));
+  CHECK_THROWS_WITH(set_learning_rate(2, 0.1), Contains("unknown table id 2"));
+}
+
+// The first touch used to make room for 1024 rows whatever their width: 256 MiB here, 4 GiB (12 with
+// Adam's state) for one row at the widest rows a registration allows, from a 235-byte message
+// (tests/fuzz/regressions/sparse-wide-row-first-touch).
+TEST_CASE("touching one row of a very wide sparse table allocates about that row, not a thousand") {
+  ps::SparseTable table("wide", c10::kFloat, 1000, 1 << 16, ps::RowInitializer::zeros(),
+                        ps::OptimizerConfig::adagrad(0.1), 1);
+  const int64_t id = 7;
+  CHECK(table.read_rows(&id, 1).sizes() == at::IntArrayRef{1, 1 << 16});
+  CHECK(table.touched_rows() == 1);
+  CHECK(table.bytes() <= 2 * (int64_t{1} << 20) + 4096); // values and Adagrad's sums: 4 rows of 256 KiB each
 }
 
 TEST_CASE("dense server-side optimizers take torch::optim's steps") {

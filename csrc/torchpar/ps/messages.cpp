@@ -1,7 +1,11 @@
 #include <torchpar/ps/messages.h>
 
+#include <torchpar/ps/optimizer.h>
+
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
+
+#include <cmath>
 
 namespace torchpar::ps {
 namespace {
@@ -36,6 +40,20 @@ void write_optimizer(WireWriter& writer, const OptimizerConfig& config) {
                        config.initial_accumulator}) {
     writer.put<double>(value);
   }
+}
+
+// The preconditions of std::uniform_real_distribution and std::normal_distribution, which draw the
+// rows' first values: outside them the draw is undefined.
+void check_initializer(const RowInitializer& initializer, const std::string& table) {
+  const double a = initializer.a;
+  const double b = initializer.b;
+  const bool uniform = initializer.kind == RowInitializer::Kind::Uniform;
+  const bool normal = initializer.kind == RowInitializer::Kind::Normal;
+  TORCH_CHECK(!uniform || (std::isfinite(a) && std::isfinite(b) && a <= b && std::isfinite(b - a)),
+              "torchpar.ps: sparse table '", table, "': uniform initializer over [", a, ", ", b,
+              "): the bounds must be finite, low <= high");
+  TORCH_CHECK(!normal || (std::isfinite(a) && std::isfinite(b) && b > 0), "torchpar.ps: sparse table '", table,
+              "': normal initializer of mean ", a, " and std ", b, ": both must be finite, std > 0");
 }
 
 // Dense and rows items share their count and each item's head (table, clock, dtype).
@@ -142,6 +160,7 @@ Request decode_request(MessageKind kind, const uint8_t* payload, size_t size) {
                   "torchpar.ps: table '", registration.name, "': shard [", registration.shard_begin, ", ",
                   registration.shard_end, ") is not inside its ", numel, " elements");
       registration.optimizer = read_optimizer(reader);
+      check_optimizer(registration.optimizer, registration.dtype, registration.name);
       registration.initial = reader.get_data(
           (registration.shard_end - registration.shard_begin) * c10::elementSize(registration.dtype), "initial values");
       request.dense_registration = std::move(registration);
@@ -162,7 +181,9 @@ Request decode_request(MessageKind kind, const uint8_t* payload, size_t size) {
       registration.initializer.a = reader.get<double>("initializer a");
       registration.initializer.b = reader.get<double>("initializer b");
       registration.initializer.seed = reader.get<uint64_t>("initializer seed");
+      check_initializer(registration.initializer, registration.name);
       registration.optimizer = read_optimizer(reader);
+      check_optimizer(registration.optimizer, registration.dtype, registration.name);
       request.sparse_registration = std::move(registration);
       break;
     }

@@ -1,13 +1,44 @@
 #include <torchpar/ps/optimizer.h>
 
+#include <ATen/TensorOperators.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 
 namespace torchpar::ps {
+
+void check_optimizer(const OptimizerConfig& config, c10::ScalarType dtype, const std::string& table) {
+  const double largest =
+      dtype == c10::kFloat ? std::numeric_limits<float>::max() : std::numeric_limits<double>::max();
+  // Also false for NaN.
+  auto check = [&](const char* name, double value) {
+    TORCH_CHECK(value >= 0 && value <= largest, "torchpar.ps: table '", table, "': ", config.describe(), ": ", name,
+                " ", value, " is not in [0, ", largest, "] (", c10::toString(dtype), ")");
+  };
+  check("lr", config.lr);
+  check("weight_decay", config.weight_decay);
+  switch (config.kind) {
+    case OptimizerConfig::Kind::Sgd:
+      check("momentum", config.momentum);
+      break;
+    case OptimizerConfig::Kind::Adagrad:
+      check("eps", config.eps);
+      check("initial_accumulator", config.initial_accumulator);
+      break;
+    case OptimizerConfig::Kind::Adam:
+      check("eps", config.eps);
+      for (const auto& [name, beta] : {std::pair{"beta1", config.beta1}, std::pair{"beta2", config.beta2}}) {
+        TORCH_CHECK(beta >= 0 && beta < 1, "torchpar.ps: table '", table, "': ", config.describe(), ": ", name, " ",
+                    beta, " is not in [0, 1)");
+      }
+      check("the first step's size lr / (1 - beta1)", config.lr / (1 - config.beta1));
+      break;
+  }
+}
 
 DenseOptimizerState initial_dense_state(const OptimizerConfig& config, const at::Tensor& values) {
   DenseOptimizerState state;

@@ -17,6 +17,10 @@ struct DenseOptimizerState {
   int64_t step = 0;
 };
 
+// Refuses hyper-parameters outside torch.optim's ranges, and those a step would convert to a value
+// the table's dtype cannot hold (which would make every later update of the table throw).
+void check_optimizer(const OptimizerConfig& config, c10::ScalarType dtype, const std::string& table);
+
 DenseOptimizerState initial_dense_state(const OptimizerConfig& config, const at::Tensor& values);
 void apply_dense(const OptimizerConfig& config, at::Tensor& values, const at::Tensor& grad, DenseOptimizerState& state);
 

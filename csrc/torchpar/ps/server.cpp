@@ -4,6 +4,7 @@
 #include <torchpar/ps/checkpoint_file.h>
 #include <torchpar/ps/dense_table.h>
 #include <torchpar/ps/messages.h>
+#include <torchpar/ps/request_checks.h>
 #include <torchpar/ps/sparse_table.h>
 
 #include <ATen/ops/from_blob.h>
@@ -15,7 +16,6 @@
 #include <list>
 #include <map>
 #include <mutex>
-#include <set>
 #include <sstream>
 
 namespace torchpar::ps {
@@ -95,10 +95,8 @@ class Server {
   void register_dense(int worker, int64_t id, const DenseRegistration& registration);
   void register_sparse(int worker, int64_t id, const SparseRegistration& registration);
   void answer_registration(int worker, int64_t id, const std::string& name);
-  void check_registration(const DenseRegistration& registration);
   // Restored from the checkpoint when it holds the table.
   void add_table(std::unique_ptr<Table> table, const std::string& description);
-  void check_items(int worker, const Request& request);
   void apply_pushes(int worker, const Request& request);
   void contribute(int worker, Table& table, at::Tensor ids, at::Tensor grads);
   bool readable(int worker, const Request& request);
@@ -160,9 +158,7 @@ class Server {
 };
 
 Table& Server::table(uint32_t id) {
-  TORCH_CHECK(id < tables_.size(), "unknown table id ", id, " (server ", index_, " holds ", tables_.size(),
-              " tables)");
-  return *tables_[id];
+  return table_by_id(tables_, id, index_);
 }
 
 int64_t Server::slowest_clock(const Table& table) const {
@@ -303,7 +299,7 @@ void Server::dispatch(int worker, const Frame& frame, Request&& request, at::Ten
       register_sparse(worker, id, *request.sparse_registration);
       return;
     case MessageKind::SetLearningRate: {
-      TORCH_CHECK(request.lr >= 0, "learning rate ", request.lr, " is negative");
+      check_learning_rate(request, tables_, index_);
       table(request.table).optimizer().lr = request.lr;
       reply_ok(worker, id);
       return;
@@ -321,7 +317,7 @@ void Server::dispatch(int worker, const Frame& frame, Request&& request, at::Ten
     default:
       break;
   }
-  check_items(worker, request);
+  check_items(request, tables_, worker, who(worker), index_);
   apply_pushes(worker, request);
   if (request.kind == MessageKind::Push || request.kind == MessageKind::PushRows) {
     reply_ok(worker, id);
@@ -329,45 +325,6 @@ void Server::dispatch(int worker, const Frame& frame, Request&& request, at::Ten
     answer_reads(worker, id, request);
   } else {
     deferred_.push_back(Deferred{worker, id, std::move(request), std::move(payload)});
-  }
-}
-
-void Server::check_items(int worker, const Request& request) {
-  std::set<uint32_t> seen;
-  const bool pushes = request.kind == MessageKind::Push || request.kind == MessageKind::PushPull ||
-                      request.kind == MessageKind::PushRows;
-  const char* verb = pushes ? "push to" : "pull from";
-  for (const auto& item : request.dense) {
-    auto& t = table(item.table);
-    TORCH_CHECK(seen.insert(item.table).second, "table '", t.name(), "' listed twice in one request");
-    TORCH_CHECK(!t.is_sparse(), verb, " table '", t.name(), "': it is sparse (use pull_rows / push_rows)");
-    const auto& dense = static_cast<const DenseTable&>(t);
-    TORCH_CHECK(item.dtype == t.dtype(), verb, " table '", t.name(), "': dtype ", c10::toString(item.dtype),
-                ", the table holds ", c10::toString(t.dtype()));
-    TORCH_CHECK(item.clock == t.pushes[worker], verb, " table '", t.name(), "' at clock ", item.clock, ": ",
-                who(worker), " has pushed ", t.pushes[worker], " times");
-    TORCH_CHECK(item.shape == dense.shape(), verb, " table '", t.name(), "': ",
-                pushes ? "a gradient of shape " : "a read of shape ", c10::IntArrayRef(item.shape),
-                " for a table of shape ", c10::IntArrayRef(dense.shape()));
-    TORCH_CHECK(item.numel == dense.numel(), verb, " table '", t.name(), "' (shape ", c10::IntArrayRef(dense.shape()), "; server ",
-                index_, " holds elements [", dense.shard_begin(), ", ", dense.shard_end(), ")): ", item.numel,
-                " elements, expected ", dense.numel());
-  }
-  for (const auto& item : request.rows) {
-    auto& t = table(item.table);
-    TORCH_CHECK(seen.insert(item.table).second, "table '", t.name(), "' listed twice in one request");
-    TORCH_CHECK(t.is_sparse(), verb, " table '", t.name(), "': it is dense (use pull / push)");
-    const auto& sparse = static_cast<const SparseTable&>(t);
-    TORCH_CHECK(item.dtype == t.dtype(), verb, " table '", t.name(), "': dtype ", c10::toString(item.dtype),
-                ", the table holds ", c10::toString(t.dtype()));
-    TORCH_CHECK(item.clock == t.pushes[worker], verb, " table '", t.name(), "' at clock ", item.clock, ": ",
-                who(worker), " has pushed ", t.pushes[worker], " times");
-    TORCH_CHECK(item.dim == sparse.dim(), verb, " table '", t.name(), "': rows of ", item.dim,
-                " values, the table's rows have ", sparse.dim());
-    for (int64_t i = 0; i < item.count; ++i) {
-      TORCH_CHECK(item.ids[i] >= 0 && item.ids[i] < sparse.num_rows(), verb, " table '", t.name(), "': row id ",
-                  item.ids[i], " is out of range [0, ", sparse.num_rows(), ")");
-    }
   }
 }
 
@@ -639,7 +596,7 @@ void Server::register_dense(int worker, int64_t id, const DenseRegistration& reg
                                            num_workers()),
               "dense, " + registration.optimizer.describe());
   }
-  check_registration(registration);
+  check_registration(*tables_[table_ids_.at(registration.name)], registration);
   answer_registration(worker, id, registration.name);
   auto waiting = waiting_registrations_.find(registration.name);
   if (waiting != waiting_registrations_.end()) {
@@ -647,7 +604,7 @@ void Server::register_dense(int worker, int64_t id, const DenseRegistration& reg
     waiting_registrations_.erase(waiting);
     for (const auto& waiter : waiters) {
       try {
-        check_registration(waiter.registration);
+        check_registration(*tables_[table_ids_.at(registration.name)], waiter.registration);
         answer_registration(waiter.worker, waiter.id, registration.name);
       } catch (const std::exception& error) {
         reply_error(waiter.worker, waiter.id, "torchpar.ps server " + std::to_string(index_) + ": " + reason_of(error));
@@ -667,21 +624,6 @@ void Server::add_table(std::unique_ptr<Table> table, const std::string& descript
   tables_.push_back(std::move(table));
 }
 
-void Server::check_registration(const DenseRegistration& registration) {
-  const auto& t = *tables_[table_ids_.at(registration.name)];
-  TORCH_CHECK(!t.is_sparse(), "table '", registration.name, "' is already registered as a sparse table");
-  const auto& dense = static_cast<const DenseTable&>(t);
-  TORCH_CHECK(dense.shape() == registration.shape && dense.dtype() == registration.dtype &&
-                  dense.shard_begin() == registration.shard_begin && dense.shard_end() == registration.shard_end,
-              "table '", registration.name, "' registered as ", c10::toString(registration.dtype),
-              c10::IntArrayRef(registration.shape), " (shard [", registration.shard_begin, ", ",
-              registration.shard_end, ")), but it is ", c10::toString(dense.dtype()),
-              c10::IntArrayRef(dense.shape()), " (shard [", dense.shard_begin(), ", ", dense.shard_end(), "))");
-  TORCH_CHECK(t.optimizer().kind == registration.optimizer.kind, "table '", registration.name,
-              "' registered with optimizer ", registration.optimizer.describe(), ", but it has ",
-              t.optimizer().describe());
-}
-
 void Server::register_sparse(int worker, int64_t id, const SparseRegistration& registration) {
   auto existing = table_ids_.find(registration.name);
   if (existing == table_ids_.end()) {
@@ -691,16 +633,7 @@ void Server::register_sparse(int worker, int64_t id, const SparseRegistration& r
               "sparse, " + std::to_string(registration.num_rows) + " rows of " + std::to_string(registration.dim) +
                   ", " + registration.optimizer.describe());
   }
-  const auto& t = *tables_[table_ids_.at(registration.name)];
-  TORCH_CHECK(t.is_sparse(), "table '", registration.name, "' is already registered as a dense table");
-  const auto& sparse = static_cast<const SparseTable&>(t);
-  TORCH_CHECK(sparse.num_rows() == registration.num_rows && sparse.dim() == registration.dim &&
-                  sparse.dtype() == registration.dtype,
-              "sparse table '", registration.name, "' registered with ", registration.num_rows, " rows of ",
-              registration.dim, " ", c10::toString(registration.dtype), ", but it has ", sparse.num_rows(),
-              " rows of ", sparse.dim(), " ", c10::toString(sparse.dtype()));
-  TORCH_CHECK(t.optimizer().kind == registration.optimizer.kind, "sparse table '", registration.name,
-              "' registered with optimizer ", registration.optimizer.describe(), ", but it has another");
+  check_registration(*tables_[table_ids_.at(registration.name)], registration);
   answer_registration(worker, id, registration.name);
 }
 

@@ -5,12 +5,16 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <random>
 
 namespace torchpar::ps {
 namespace {
 
+// Room for this many rows at the first touch, but for no more than kInitialBytes of values: one row
+// of a very wide table must not cost a thousand (4 GiB at the widest rows a registration allows).
 constexpr int64_t kInitialCapacity = 1024;
+constexpr int64_t kInitialBytes = int64_t{1} << 20;
 
 uint64_t mix(uint64_t x) { // splitmix64's finaliser
   x += 0x9e3779b97f4a7c15ULL;
@@ -82,7 +86,9 @@ void SparseTable::grow(int64_t rows) {
   if (rows <= capacity) {
     return;
   }
-  const int64_t wanted = std::max({rows, 2 * capacity, kInitialCapacity});
+  const int64_t row_bytes = dim_ * static_cast<int64_t>(c10::elementSize(dtype()));
+  const int64_t initial = std::clamp<int64_t>(kInitialBytes / std::max<int64_t>(row_bytes, 1), 1, kInitialCapacity);
+  const int64_t wanted = std::max({rows, 2 * capacity, initial});
   values_ = grown(values_, wanted);
   state_.sum = grown(state_.sum, wanted);
   state_.exp_avg = grown(state_.exp_avg, wanted);
