@@ -28,6 +28,9 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "python"))
+
+from launched_job import job_environment, wait_until  # noqa: E402
 WORKLOAD = HERE / "workload.py"
 TIMEOUT_S = 4.0  # the process groups' timeout in every trial
 # A survivor must report within this long after the victim stopped: a dead peer is seen at once, a
@@ -110,13 +113,10 @@ class Job:
         self.outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(trial.world)]
         self.processes = []
         for rank in range(trial.world):
-            environment = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "TORCHPAR_"))}
-            environment.update(TORCHELASTIC_USE_AGENT_STORE="True",
-                               RANK=str(rank), WORLD_SIZE=str(trial.world), LOCAL_RANK=str(rank),
-                               LOCAL_WORLD_SIZE=str(trial.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                               OMP_NUM_THREADS="1",
-                               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "python"),
-                                                                        os.environ.get("PYTHONPATH")])))
+            environment = job_environment(
+                TORCHELASTIC_USE_AGENT_STORE="True", RANK=str(rank), WORLD_SIZE=str(trial.world),
+                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(trial.world), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), OMP_NUM_THREADS="1")
             victim = -1 if resume else trial.victim
             command = [sys.executable, str(WORKLOAD), "--strategy", trial.strategy, "--backend", trial.backend,
                        "--victim", str(victim), "--phase", trial.phase, "--step", str(trial.step),
@@ -146,15 +146,6 @@ class Job:
             process.wait()
 
 
-def wait_for(condition, timeout: float, interval: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
-
-
 def names_rank(message: str, rank: int) -> bool:
     return re.search(rf"\brank(?:\(s\))?\s+(?:\d+,\s*)*{rank}\b", message) is not None
 
@@ -179,7 +170,7 @@ def run_trial_once(trial: Trial, latest_signal_s: float) -> dict | None:
         job = Job(trial, directory)
         verdict = {"trial": trial.label, "what": trial.describe(), "problems": [], "restart": ""}
         try:
-            if not wait_for(job.all_ready, 120):
+            if not wait_until(job.all_ready, 120):
                 verdict["problems"].append("the job did not start")
                 return verdict
             victim = job.processes[trial.victim]
@@ -187,7 +178,7 @@ def run_trial_once(trial: Trial, latest_signal_s: float) -> dict | None:
                 time.sleep(random.Random(trial.seed).uniform(0.0, latest_signal_s))
                 if victim.poll() is None:
                     os.kill(victim.pid, getattr(signal, f"SIG{trial.signal}"))
-            stopped = wait_for(lambda: victim.poll() is not None or process_state(victim.pid) == "T", HANG_AFTER_S)
+            stopped = wait_until(lambda: victim.poll() is not None or process_state(victim.pid) == "T", HANG_AFTER_S)
             stopped_at = time.time()
             late = job.result(trial.victim)
             if trial.phase == "anytime" and late is not None and late["status"] == "finished":
@@ -196,7 +187,7 @@ def run_trial_once(trial: Trial, latest_signal_s: float) -> dict | None:
                 verdict["problems"].append("the victim was not stopped (it finished first)")
                 return verdict
             survivors = [r for r in range(trial.world) if r != trial.victim]
-            if not wait_for(lambda: all(job.processes[r].poll() is not None for r in survivors), HANG_AFTER_S):
+            if not wait_until(lambda: all(job.processes[r].poll() is not None for r in survivors), HANG_AFTER_S):
                 hung = [r for r in survivors if job.processes[r].poll() is None]
                 verdict["problems"].append(f"HANG: rank(s) {hung} still running {HANG_AFTER_S:.0f} s after the victim stopped")
             verdict["problems"] += judge(trial, job, survivors, stopped_at)
@@ -252,7 +243,7 @@ def restart_ps(trial: Trial, directory: pathlib.Path) -> tuple[str, list[str]]:
                         f"{-sum(pushes)}")
     job = Job(trial, directory, resume=True)
     try:
-        if not wait_for(lambda: all(p.poll() is not None for p in job.processes), HANG_AFTER_S + 60):
+        if not wait_until(lambda: all(p.poll() is not None for p in job.processes), HANG_AFTER_S + 60):
             return "", ["HANG in the restart"]
         results = [job.result(rank) for rank in range(trial.world)]
         if any(r is None or r["status"] != "finished" for r in results):
@@ -297,8 +288,8 @@ def main() -> int:
         for problem in verdict["problems"]:
             print(f"      {problem}\n      replay: python tests/chaos/run.py --replay {trial.label}", flush=True)
 
-    print(f"\n| strategy | trials | SIGKILL | SIGSTOP | survivors named the rank in time | hangs | leaks | "
-          f"lost updates | failed |")
+    print("\n| strategy | trials | SIGKILL | SIGSTOP | survivors named the rank in time | hangs | leaks | "
+          "lost updates | failed |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for strategy in dict.fromkeys(t.strategy for t in trials):
         mine = [(t, v) for t, v in zip(trials, verdicts) if t.strategy == strategy]

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
@@ -15,7 +14,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
 import torchpar  # noqa: E402
 import torchpar.pipeline  # noqa: E402
 import torchpar.ps  # noqa: E402
-from ddp_reference import global_batches, loss_of, make_model, max_difference, reference_step, shard  # noqa: E402
+from ddp_reference import global_batches, make_model, max_difference, train_step_beside_reference  # noqa: E402
 from rank_harness import run_on_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -36,13 +35,7 @@ def ddp_matches_one_process(rank, world):
     optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, reference))
     for batch in global_batches("mlp", STEPS, world, PER_RANK):
         batch = tuple(t.to(device) for t in batch)
-        optimizer.zero_grad()
-        inputs, targets = shard(batch, rank, world)
-        loss_of(ddp(inputs), targets).backward()
-        optimizer.step()
-        reference_optimizer.zero_grad()
-        reference_step(reference, batch, world)
-        reference_optimizer.step()
+        train_step_beside_reference(ddp, optimizer, reference, reference_optimizer, batch, rank, world)
     return max_difference(model, reference)
 
 

@@ -22,7 +22,6 @@ import time
 import unittest
 
 import torch
-import torch.distributed as dist
 import torch.nn.parallel
 
 import torchpar

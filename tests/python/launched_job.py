@@ -93,4 +93,4 @@ def wait_until(condition, timeout: float, interval: float = 0.02) -> bool:
         if condition():
             return True
         time.sleep(interval)
-    return False
+    return condition()

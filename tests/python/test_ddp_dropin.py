@@ -12,7 +12,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import torchpar
-from ddp_reference import global_batches, loss_of, make_model, max_difference, reference_step, shard
+from ddp_reference import (
+    global_batches, loss_of, make_model, max_difference, reference_step, shard, train_step_beside_reference,
+)
 from rank_harness import run_on_ranks
 
 PER_RANK = 6
@@ -43,13 +45,7 @@ def train_steps(ddp, model, reference, world, rank, steps, seed):
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for batch in global_batches("mlp", steps, world, PER_RANK, seed=seed):
-        optimizer.zero_grad()
-        inputs, targets = shard(batch, rank, world)
-        loss_of(ddp(inputs), targets).backward()
-        optimizer.step()
-        reference_optimizer.zero_grad()
-        reference_step(reference, batch, world)
-        reference_optimizer.step()
+        train_step_beside_reference(ddp, optimizer, reference, reference_optimizer, batch, rank, world)
     return max_difference(model, reference)
 
 
