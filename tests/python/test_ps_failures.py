@@ -244,11 +244,13 @@ def periodic_then_server_death(rank, world, directory, flags):
     for step in range(PERIODIC_STEPS):
         train(client, w, e, [step], worker)
         history.append(state(client, w, e))
+    touch(flags / f"worker-{worker}-trained")
     grad, _, _ = gradients(PERIODIC_STEPS, worker)
     if worker == 0:
         # In flight when the server dies: BSP holds it for worker 1's push, which never comes.
-        start = time.monotonic()
         pending = client.push_pull([w], [grad])
+        wait_for(flags / "worker-1-trained")  # its last pulls are answered before the server dies
+        start = time.monotonic()
         touch(flags / "kill-server")
         message = error_of(pending.wait)
     else:

@@ -221,8 +221,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(
     uint64_t bytes,
     Task task) {
   auto work = c10::make_intrusive<ShmWork>(rank_, type, ++collectives_issued_, std::move(outputs));
+  std::vector<QueuedTask> released; // dropped on return, outside the lock
   {
     std::unique_lock<std::mutex> lock(mutex_);
+    released.swap(finished_);
     if (bytes > kInlineBytes || running_ || !queue_.empty()) {
       queue_.emplace_back(work, std::move(task));
       lock.unlock();
@@ -243,7 +245,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(
 
 void ProcessGroupShm::run_tasks() {
   while (true) {
-    std::pair<c10::intrusive_ptr<ShmWork>, Task> next;
+    QueuedTask next;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [this] { return (stopping_ || !queue_.empty()) && !running_; });
@@ -261,6 +263,8 @@ void ProcessGroupShm::run_tasks() {
     }
     wake_.notify_all();
     deliver(*next.first, error);
+    std::lock_guard<std::mutex> lock(mutex_);
+    finished_.push_back(std::move(next));
   }
 }
 

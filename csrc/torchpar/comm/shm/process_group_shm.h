@@ -7,6 +7,8 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -118,7 +120,12 @@ class ProcessGroupShm : public c10d::Backend {
 
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<std::pair<c10::intrusive_ptr<ShmWork>, Task>> queue_;
+  using QueuedTask = std::pair<c10::intrusive_ptr<ShmWork>, Task>;
+  std::deque<QueuedTask> queue_;
+  // Tasks the backend's thread ran, released by the next caller or the destructor: their tensors
+  // may be Python's, and dropping the last reference takes the GIL, which a caller can hold while it
+  // waits for this thread (destroy_process_group joins it).
+  std::vector<QueuedTask> finished_;
   bool stopping_ = false;
   bool running_ = false; // a task is executing, on the backend's thread or a caller's
   std::thread worker_;
