@@ -12,7 +12,7 @@ log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 start=$SECONDS
 
 # 1. Debian packages: Catch2 v2 (C++ tests), ccache and ninja (build speed), gloo's headers (c10d's
-#    ProcessGroupGloo.hpp needs them and the torch wheel does not ship them; see README).
+#    ProcessGroupGloo.hpp needs them and the torch wheel does not ship them; see docs/building.md).
 debian_packages=(catch2 ccache ninja-build libgloo-dev cmake g++)
 missing=()
 for package in "${debian_packages[@]}"; do

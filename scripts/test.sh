@@ -11,6 +11,7 @@ status=0
 echo "=== C++ tests (ctest) ==="
 ctest --test-dir build --output-on-failure --no-tests=error -j2 || status=1
 echo "=== Python tests (pytest) ==="
-# pytest exits 5 when it collected no test: that is a failure here too.
-python3 -m pytest tests/python -q -p no:cacheprovider || status=1
+# pytest exits 5 when it collected no test: that is a failure here too. The 25 slowest tests are listed
+# so that a contributor sees where the time goes.
+python3 -m pytest tests/python -q -p no:cacheprovider --durations=25 || status=1
 exit $status
