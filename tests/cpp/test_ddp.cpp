@@ -290,3 +290,12 @@ TEST_CASE("DataParallel on several CUDA devices matches the module on one", "[cu
   const auto cuda_inputs = batch.inputs.cuda();
   CHECK(at::allclose(parallel(cuda_inputs), reference->forward(cuda_inputs), 1e-5, 1e-6));
 }
+
+TEST_CASE("built-in comm hooks are found by their Python names, and an unknown name lists the known ones") {
+  const auto group = c10::make_intrusive<c10d::ProcessGroup>(0, 1); // constructing a hook sends nothing
+  for (const char* name : {"allreduce", "fp16", "bf16"}) {
+    CHECK(torchpar::ddp::builtin_comm_hook(name, group) != nullptr);
+  }
+  CHECK_THROWS_WITH(torchpar::ddp::builtin_comm_hook("fp8", group),
+                    Catch::Contains("unknown hook 'fp8' (allreduce, fp16, bf16)"));
+}

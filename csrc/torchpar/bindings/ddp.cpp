@@ -66,16 +66,7 @@ void bind_ddp(py::module_& module) {
             if (!process_group) {
               process_group = self.process_group();
             }
-            if (name == "allreduce") {
-              self.register_comm_hook(ddp::allreduce_hook(std::move(process_group)));
-            } else if (name == "fp16") {
-              self.register_comm_hook(ddp::fp16_compress_hook(std::move(process_group)));
-            } else if (name == "bf16") {
-              self.register_comm_hook(ddp::bf16_compress_hook(std::move(process_group)));
-            } else {
-              TORCH_CHECK(false, "register_builtin_comm_hook: unknown hook '", name,
-                          "' (allreduce, fp16, bf16)");
-            }
+            self.register_comm_hook(ddp::builtin_comm_hook(name, std::move(process_group)));
           },
           py::arg("name"), py::arg("process_group"))
       .def(

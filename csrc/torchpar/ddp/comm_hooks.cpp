@@ -71,6 +71,20 @@ std::unique_ptr<c10d::CommHookInterface> bf16_compress_hook(c10::intrusive_ptr<c
   return std::make_unique<CompressedAllreduceHook>(std::move(group), at::kBFloat16);
 }
 
+std::unique_ptr<c10d::CommHookInterface> builtin_comm_hook(const std::string& name,
+                                                           c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  if (name == "allreduce") {
+    return allreduce_hook(std::move(group));
+  }
+  if (name == "fp16") {
+    return fp16_compress_hook(std::move(group));
+  }
+  if (name == "bf16") {
+    return bf16_compress_hook(std::move(group));
+  }
+  TORCH_CHECK(false, "register_builtin_comm_hook: unknown hook '", name, "' (allreduce, fp16, bf16)");
+}
+
 std::unique_ptr<c10d::CommHookInterface> function_hook(CommHookFunction hook) {
   return std::make_unique<FunctionCommHook>(std::move(hook));
 }

@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 
 namespace c10d {
 class CommHookInterface;
@@ -22,6 +23,10 @@ std::unique_ptr<c10d::CommHookInterface> allreduce_hook(c10::intrusive_ptr<c10d:
 // Halve the bytes on the wire: cast to float16 / bfloat16, all-reduce, cast back.
 std::unique_ptr<c10d::CommHookInterface> fp16_compress_hook(c10::intrusive_ptr<c10d::ProcessGroup> group);
 std::unique_ptr<c10d::CommHookInterface> bf16_compress_hook(c10::intrusive_ptr<c10d::ProcessGroup> group);
+// A built-in hook by its name ("allreduce", "fp16", "bf16"), as the Python face names them; throws
+// for any other name, listing the known ones.
+std::unique_ptr<c10d::CommHookInterface> builtin_comm_hook(const std::string& name,
+                                                           c10::intrusive_ptr<c10d::ProcessGroup> group);
 // A user's callable: receives the bucket (raw local gradients), returns the future of its average.
 // (c10d::GradBucket is defined in <torch/csrc/distributed/c10d/comm.hpp>.)
 std::unique_ptr<c10d::CommHookInterface> function_hook(CommHookFunction hook);
