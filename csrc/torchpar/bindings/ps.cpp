@@ -73,14 +73,7 @@ void bind_ps(py::module_& module) {
       .def_static("uniform", &ps::RowInitializer::uniform, py::arg("low"), py::arg("high"), py::arg("seed") = 0)
       .def_static("normal", &ps::RowInitializer::normal, py::arg("mean"), py::arg("std"), py::arg("seed") = 0);
 
-  m.def("initial_rows", [](const ps::RowInitializer& initializer, const at::Tensor& ids, int64_t dim) {
-    auto flat = ids.to(at::kLong).contiguous().view(-1);
-    auto rows = at::empty({flat.numel(), dim}, at::kDouble);
-    for (int64_t i = 0; i < flat.numel(); ++i) {
-      ps::initialize_row(initializer, flat.data_ptr<int64_t>()[i], rows.data_ptr<double>() + i * dim, dim);
-    }
-    return rows;
-  }, py::arg("initializer"), py::arg("ids"), py::arg("dim"),
+  m.def("initial_rows", &ps::initial_rows, py::arg("initializer"), py::arg("ids"), py::arg("dim"),
      "The first values of rows `ids` of a sparse table with `initializer` (float64 [n, dim]).");
   m.def("row_owner", &ps::row_owner, py::arg("id"), py::arg("num_servers"));
 

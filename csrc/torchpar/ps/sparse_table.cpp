@@ -36,6 +36,15 @@ at::Tensor grown(const at::Tensor& tensor, int64_t capacity) {
 
 } // namespace
 
+at::Tensor initial_rows(const RowInitializer& initializer, const at::Tensor& ids, int64_t dim) {
+  const auto flat = ids.to(at::kLong).contiguous().view(-1);
+  auto rows = at::empty({flat.numel(), dim}, at::kDouble);
+  for (int64_t i = 0; i < flat.numel(); ++i) {
+    initialize_row(initializer, flat.data_ptr<int64_t>()[i], rows.data_ptr<double>() + i * dim, dim);
+  }
+  return rows;
+}
+
 void initialize_row(const RowInitializer& initializer, int64_t id, double* out, int64_t dim) {
   std::mt19937_64 generator(mix(initializer.seed ^ mix(static_cast<uint64_t>(id))));
   switch (initializer.kind) {

@@ -42,5 +42,7 @@ class SparseTable : public Table {
 
 // The first value of row `id`: what read_rows returns for a row never pushed to.
 void initialize_row(const RowInitializer& initializer, int64_t id, double* out, int64_t dim);
+// The first values of rows `ids` (any integer dtype and shape), as float64 [ids.numel(), dim].
+at::Tensor initial_rows(const RowInitializer& initializer, const at::Tensor& ids, int64_t dim);
 
 } // namespace torchpar::ps
