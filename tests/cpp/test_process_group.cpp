@@ -88,6 +88,24 @@ TEST_CASE("a master that nobody hosts is reported within the timeout, naming the
   }
 }
 
+TEST_CASE("TORCHPAR_TIMEOUT is a whole, finite, positive number of seconds", "[process_group]") {
+  const auto timeout_for = [](const char* text) {
+    setenv("TORCHPAR_TIMEOUT", text, 1);
+    const auto timeout = torchpar::comm::resolve_timeout({});
+    unsetenv("TORCHPAR_TIMEOUT");
+    return timeout;
+  };
+  CHECK(timeout_for("2.5") == std::chrono::milliseconds(2500));
+  CHECK(timeout_for("90") == std::chrono::seconds(90));
+  for (const char* text : {"500ms", "5s", "2 ", "soon", "", "nan", "inf", "-inf", "0", "-1", "1e300"}) {
+    CAPTURE(text);
+    CHECK_THROWS_WITH(timeout_for(text), Contains(std::string("TORCHPAR_TIMEOUT='") + text +
+                                                  "' is not a positive number of seconds") &&
+                                             Contains("TORCHPAR_TIMEOUT=0.5 for 500 ms"));
+    unsetenv("TORCHPAR_TIMEOUT");
+  }
+}
+
 TEST_CASE("nccl all_reduce on CUDA tensors, one rank per GPU", "[process_group][cuda]") {
   const int devices = static_cast<int>(at::detail::getCUDAHooks().deviceCount());
   if (devices == 0) {
