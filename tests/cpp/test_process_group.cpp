@@ -8,6 +8,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torchpar/comm/process_group.h>
 
@@ -103,6 +104,19 @@ TEST_CASE("TORCHPAR_TIMEOUT is a whole, finite, positive number of seconds", "[p
                                                   "' is not a positive number of seconds") &&
                                              Contains("TORCHPAR_TIMEOUT=0.5 for 500 ms"));
     unsetenv("TORCHPAR_TIMEOUT");
+  }
+}
+
+TEST_CASE("new_group names an unreadable LOCAL_RANK and its value", "[process_group]") {
+  auto world = torchpar::init_process_group(
+      torchpar::InitOptions().rank(0).world_size(1).store(c10::make_intrusive<c10d::HashStore>()));
+  for (const char* text : {"abc", "1x"}) {
+    CAPTURE(text);
+    setenv("LOCAL_RANK", text, 1);
+    CHECK_THROWS_AS(torchpar::new_group(world, {0}), torchpar::LaunchError);
+    CHECK_THROWS_WITH(torchpar::new_group(world, {0}),
+                      Contains(std::string("torchpar.new_group: LOCAL_RANK='") + text + "' is not an integer"));
+    unsetenv("LOCAL_RANK");
   }
 }
 

@@ -124,10 +124,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_group(const c10::intrusive_ptr<c10d::
   const auto choices = parse_backend_spec(spec);
   const int rank = static_cast<int>(position - ranks.begin());
   const int size = static_cast<int>(ranks.size());
-  int local_rank = 0;
-  if (auto text = env("LOCAL_RANK")) {
-    local_rank = std::stoi(*text);
-  }
+  const int local_rank = read_local_rank(env, "torchpar.new_group").value_or(0);
   check_backends_usable(choices, rank, local_rank);
   auto group_store = c10::make_intrusive<c10d::PrefixStore>(group + "/", parent->getStore());
   wait_for_all_ranks(*group_store, rank, size, timeout);
