@@ -176,10 +176,10 @@ class RemoteParameters:
 
     def _hook(self, index: int):
         def gradient_ready(parameter: torch.Tensor) -> None:
-            if index in self._ready:
-                raise RuntimeError(f"RemoteParameters: parameter '{self._parameters[index][0]}' got a second "
-                                   "gradient before step(); call step() after each backward")
             with self._lock:
+                if index in self._ready:
+                    raise RuntimeError(f"RemoteParameters: parameter '{self._parameters[index][0]}' got a second "
+                                       "gradient before step(); call step() after each backward")
                 self._ready[index] = parameter.grad
                 bucket = self._bucket_of[index]
                 if bucket not in self._in_flight and all(i in self._ready for i in self._buckets[bucket]):

@@ -1,9 +1,11 @@
 #include "catch_with_torch.h"
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torchpar/comm/backend_factory.h>
 
 using torchpar::comm::check_backends_usable;
+using torchpar::comm::make_backend;
 using torchpar::comm::parse_backend_spec;
 using Catch::Matchers::Contains;
 
@@ -42,4 +44,9 @@ TEST_CASE("nccl without a GPU for this rank is refused before connecting", "[bac
         Contains("backend 'nccl'") && Contains("use backend 'gloo'"));
   }
   CHECK_NOTHROW(check_backends_usable(parse_backend_spec("gloo"), 0, 0));
+}
+
+TEST_CASE("a backend instance of an unknown name is refused, naming the known ones", "[backend]") {
+  CHECK_THROWS_WITH(make_backend("mpi", c10::make_intrusive<c10d::HashStore>(), 0, 1, 0, std::chrono::seconds(1)),
+                    Contains("unknown backend 'mpi'") && Contains("'gloo', 'nccl' or 'shm'"));
 }

@@ -8,6 +8,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torchpar/comm/process_group.h>
 
@@ -85,6 +86,37 @@ TEST_CASE("a master that nobody hosts is reported within the timeout, naming the
   CHECK(elapsed < std::chrono::seconds(30));
   for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
     unsetenv(name);
+  }
+}
+
+TEST_CASE("TORCHPAR_TIMEOUT is a whole, finite, positive number of seconds", "[process_group]") {
+  const auto timeout_for = [](const char* text) {
+    setenv("TORCHPAR_TIMEOUT", text, 1);
+    const auto timeout = torchpar::comm::resolve_timeout({});
+    unsetenv("TORCHPAR_TIMEOUT");
+    return timeout;
+  };
+  CHECK(timeout_for("2.5") == std::chrono::milliseconds(2500));
+  CHECK(timeout_for("90") == std::chrono::seconds(90));
+  for (const char* text : {"500ms", "5s", "2 ", "soon", "", "nan", "inf", "-inf", "0", "-1", "1e300"}) {
+    CAPTURE(text);
+    CHECK_THROWS_WITH(timeout_for(text), Contains(std::string("TORCHPAR_TIMEOUT='") + text +
+                                                  "' is not a positive number of seconds") &&
+                                             Contains("TORCHPAR_TIMEOUT=0.5 for 500 ms"));
+    unsetenv("TORCHPAR_TIMEOUT");
+  }
+}
+
+TEST_CASE("new_group names an unreadable LOCAL_RANK and its value", "[process_group]") {
+  auto world = torchpar::init_process_group(
+      torchpar::InitOptions().rank(0).world_size(1).store(c10::make_intrusive<c10d::HashStore>()));
+  for (const char* text : {"abc", "1x"}) {
+    CAPTURE(text);
+    setenv("LOCAL_RANK", text, 1);
+    CHECK_THROWS_AS(torchpar::new_group(world, {0}), torchpar::LaunchError);
+    CHECK_THROWS_WITH(torchpar::new_group(world, {0}),
+                      Contains(std::string("torchpar.new_group: LOCAL_RANK='") + text + "' is not an integer"));
+    unsetenv("LOCAL_RANK");
   }
 }
 

@@ -12,6 +12,7 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torchpar/comm/shm/shm_work.h>
 
 #include "harness.h"
 
@@ -86,6 +87,21 @@ TEST_CASE("shm: different calls on different ranks are an error on every rank, t
     pg->allreduce(fine)->wait();
     CHECK(at::allclose(fine[0], at::full({8}, static_cast<double>(world)), 0, 0));
   }, shm());
+}
+
+TEST_CASE("shm: an op's result is refused until it completed, as Gloo does", "[shm]") {
+  const auto output = at::arange(4);
+  torchpar::comm::shm::ShmWork done(1, c10d::OpType::ALLREDUCE, 7, {output});
+  CHECK_THROWS_WITH(done.result(), Contains("Work needs to be completed before calling result()") &&
+                                       Contains("ALLREDUCE on rank 1"));
+  done.complete();
+  const auto results = done.result();
+  REQUIRE(results.size() == 1);
+  CHECK(results[0].is_same(output));
+
+  torchpar::comm::shm::ShmWork failed(1, c10d::OpType::ALLREDUCE, 8, {output});
+  failed.fail(std::make_exception_ptr(std::runtime_error("the peer left")));
+  CHECK_THROWS_WITH(failed.wait(), Contains("the peer left"));
 }
 
 TEST_CASE("shm: unsupported requests name the op", "[shm]") {

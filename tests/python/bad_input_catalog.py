@@ -119,6 +119,8 @@ CASES = [
      launch_config({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"})),
     ("launch", "TORCHPAR_TIMEOUT not a number", "TORCHPAR_TIMEOUT='soon' is not a positive number of seconds",
      with_environment("TORCHPAR_TIMEOUT", "soon", lambda *_: torchpar._C.resolve_timeout(None))),
+    ("launch", "TORCHPAR_TIMEOUT with a unit", "TORCHPAR_TIMEOUT='500ms' is not a positive number of seconds",
+     with_environment("TORCHPAR_TIMEOUT", "500ms", lambda *_: torchpar._C.resolve_timeout(None))),
     ("launch", "a negative timeout", "timeout must be positive",
      lambda *_: torchpar._C.resolve_timeout(datetime.timedelta(seconds=-1))),
     ("backend", "an unknown backend name", "unknown backend 'mpi'", single_rank_group("mpi")),

@@ -103,6 +103,7 @@ c10::intrusive_ptr<c10d::Backend> make_backend(
   if (name == "shm") {
     return shm::make_shm_backend(store, rank, world_size, timeout);
   }
+  TORCH_CHECK(name == "nccl", "torchpar: unknown backend '", name, "'; use 'gloo', 'nccl' or 'shm'");
 #ifdef TORCHPAR_HAS_NCCL
   return make_nccl_backend(store, rank, world_size, local_rank, timeout);
 #else

@@ -13,11 +13,13 @@ constexpr const char* kHowToLaunch =
     "launch with torchrun (e.g. `torchrun --nproc-per-node=2 prog`), or set RANK, WORLD_SIZE, "
     "MASTER_ADDR and MASTER_PORT yourself, or pass rank, world_size and a store explicitly";
 
-[[noreturn]] void fail(const std::string& what) {
-  throw LaunchError("torchpar.init_process_group: " + what + "; " + kHowToLaunch);
+constexpr const char* kInitProcessGroup = "torchpar.init_process_group";
+
+[[noreturn]] void fail(const std::string& what, const std::string& caller = kInitProcessGroup) {
+  throw LaunchError(caller + ": " + what + "; " + kHowToLaunch);
 }
 
-int parse_int(const std::string& name, const std::string& text) {
+int parse_int(const std::string& name, const std::string& text, const std::string& caller = kInitProcessGroup) {
   std::size_t used = 0;
   long value = 0;
   try {
@@ -26,7 +28,7 @@ int parse_int(const std::string& name, const std::string& text) {
     used = 0;
   }
   if (text.empty() || used != text.size() || value < INT32_MIN || value > INT32_MAX) {
-    fail(name + "='" + text + "' is not an integer");
+    fail(name + "='" + text + "' is not an integer", caller);
   }
   return static_cast<int>(value);
 }
@@ -41,6 +43,13 @@ EnvLookup process_environment() {
     }
     return std::string(value);
   };
+}
+
+std::optional<int> read_local_rank(const EnvLookup& env, const std::string& caller) {
+  if (auto text = env("LOCAL_RANK")) {
+    return parse_int("LOCAL_RANK", *text, caller);
+  }
+  return std::nullopt;
 }
 
 LaunchConfig read_launch_config(const EnvLookup& env, const LaunchOverrides& overrides) {
@@ -83,9 +92,8 @@ LaunchConfig read_launch_config(const EnvLookup& env, const LaunchOverrides& ove
          std::to_string(config.world_size - 1) + ")");
   }
 
-  auto local_rank = env("LOCAL_RANK");
   auto local_world_size = env("LOCAL_WORLD_SIZE");
-  config.local_rank = local_rank ? parse_int("LOCAL_RANK", *local_rank) : config.rank;
+  config.local_rank = read_local_rank(env, kInitProcessGroup).value_or(config.rank);
   config.local_world_size = local_world_size ? parse_int("LOCAL_WORLD_SIZE", *local_world_size)
                                              : config.world_size;
   if (config.local_world_size < 1 || config.local_rank < 0 ||

@@ -29,6 +29,10 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string& na
 // Reads the real process environment.
 EnvLookup process_environment();
 
+// LOCAL_RANK, unset: nullopt. When it is not an integer, throws LaunchError from `caller` (e.g.
+// "torchpar.new_group") naming the variable and its value.
+std::optional<int> read_local_rank(const EnvLookup& env, const std::string& caller);
+
 // Validates the launch and throws LaunchError naming the first thing wrong (all missing variables
 // at once) and how to launch correctly.
 LaunchConfig read_launch_config(const EnvLookup& env, const LaunchOverrides& overrides = {});

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <map>
 
 #include <c10/util/Logging.h>
@@ -62,15 +63,20 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& options) {
   }
   if (auto text = process_environment()("TORCHPAR_TIMEOUT")) {
     double seconds = 0;
+    std::size_t used = 0;
     try {
-      seconds = std::stod(*text);
+      seconds = std::stod(*text, &used);
     } catch (const std::exception&) {
+      used = 0;
     }
-    if (seconds <= 0) {
+    // The whole text must be the number ("500ms" is not 500 s), and one that fits in milliseconds.
+    const double milliseconds = std::ceil(seconds * 1000);
+    if (used == 0 || used != text->size() || !(milliseconds > 0) ||
+        !(milliseconds < static_cast<double>(std::chrono::milliseconds::max().count()))) {
       throw LaunchError("torchpar.init_process_group: TORCHPAR_TIMEOUT='" + *text +
-                        "' is not a positive number of seconds");
+                        "' is not a positive number of seconds (e.g. TORCHPAR_TIMEOUT=0.5 for 500 ms)");
     }
-    return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+    return std::chrono::milliseconds(static_cast<int64_t>(milliseconds));
   }
   return kDefaultTimeout;
 }
@@ -118,10 +124,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_group(const c10::intrusive_ptr<c10d::
   const auto choices = parse_backend_spec(spec);
   const int rank = static_cast<int>(position - ranks.begin());
   const int size = static_cast<int>(ranks.size());
-  int local_rank = 0;
-  if (auto text = env("LOCAL_RANK")) {
-    local_rank = std::stoi(*text);
-  }
+  const int local_rank = read_local_rank(env, "torchpar.new_group").value_or(0);
   check_backends_usable(choices, rank, local_rank);
   auto group_store = c10::make_intrusive<c10d::PrefixStore>(group + "/", parent->getStore());
   wait_for_all_ranks(*group_store, rank, size, timeout);

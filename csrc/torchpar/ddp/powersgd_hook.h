@@ -34,8 +34,6 @@ class PowerSGDHook : public c10d::CommHookInterface {
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
   at::Tensor parseHookResult(const c10::IValue& result) override;
 
-  int64_t iteration() const { return iteration_; }
-
  private:
   struct BucketState {
     at::Tensor error;            // error feedback, shaped like the bucket

@@ -39,7 +39,6 @@ class ParameterService {
   int worker_index() const { return worker_index_; }
   int num_servers() const { return num_servers_; }
   int num_workers() const { return num_workers_; }
-  const ServiceOptions& options() const { return options_; }
 
   // Servers: serve until every worker finished or was lost.
   ServerSummary serve();

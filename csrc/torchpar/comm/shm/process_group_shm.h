@@ -97,7 +97,6 @@ class ProcessGroupShm : public c10d::Backend {
   }
   static constexpr uint64_t kAlwaysQueued = ~uint64_t{0};
   void run_tasks();
-  // alltoall_base on flat row-major buffers; splits are in rows of `row_bytes`.
   bool single_host() const {
     return hosts_.host_count() == 1;
   }
@@ -109,6 +108,7 @@ class ProcessGroupShm : public c10d::Backend {
   // Within this host: local rank `local_root` sends `buffer`; every other local rank receives it,
   // or only `only_to` when given.
   void host_broadcast(const at::Tensor& buffer, int local_root, int only_to = -1);
+  // alltoall_base on flat row-major buffers; splits are in rows of `row_bytes`.
   void exchange_all_to_all(const at::Tensor& output, const at::Tensor& input, std::vector<int64_t> output_splits,
                            std::vector<int64_t> input_splits, int64_t row_bytes);
   void all_gather_into(const at::Tensor& output, const at::Tensor& input);

@@ -15,7 +15,10 @@ c10::intrusive_ptr<c10::ivalue::Future> ShmWork::getFuture() {
   return future_;
 }
 
+// As c10d's Gloo backend: the outputs only once the op finished (a failed op's error comes from wait()).
 std::vector<at::Tensor> ShmWork::result() {
+  TORCH_CHECK(isCompleted(), "Work needs to be completed before calling result() (shm backend, ",
+              c10d::opTypeToString(retrieveOpType()), " on rank ", rank_, "); call wait() first");
   return outputs_;
 }
 
