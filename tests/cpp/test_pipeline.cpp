@@ -124,6 +124,18 @@ TEST_CASE("micro-batches: step's check refuses batches that do not split equally
                     Contains("pipeline.step: target 0 must be a tensor with a batch dimension"));
 }
 
+TEST_CASE("schedule names: each parses back to its schedule, aliases too, and an unknown one lists them") {
+  CHECK(pp::schedule_names() == std::vector<std::string>{"gpipe", "1f1b", "interleaved", "zero_bubble"});
+  for (const auto& name : pp::schedule_names()) {
+    CHECK(pp::schedule_name(pp::parse_schedule(name)) == name);
+  }
+  CHECK(pp::parse_schedule("Interleaved-1F1B") == pp::ScheduleKind::Interleaved1F1B);
+  CHECK(pp::parse_schedule("ZB-H1") == pp::ScheduleKind::ZeroBubbleH1);
+  CHECK(pp::parse_schedule("one_f_one_b") == pp::ScheduleKind::OneFOneB);
+  CHECK_THROWS_WITH(pp::parse_schedule("round_robin"),
+                    Contains("unknown pipeline schedule 'round_robin' (gpipe, 1f1b, interleaved, zero_bubble)"));
+}
+
 TEST_CASE("every schedule is complete and deadlock-free, and 1F1B's bubble is (p-1)/(m+p-1)") {
   for (int ranks = 1; ranks <= 6; ++ranks) {
     for (int m = 1; m <= 12; ++m) {

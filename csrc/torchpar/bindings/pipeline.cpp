@@ -68,6 +68,7 @@ void bind_pipeline(py::module_& module) {
       })
       .def("__repr__", [](const pp::Action& action) { return pp::to_string(action); });
 
+  pipeline.def("schedule_names", &pp::schedule_names);
   pipeline.def(
       "compute_actions",
       [](const std::string& schedule, int ranks, int microbatches, int virtual_stages, int rank) {
