@@ -136,6 +136,26 @@ TEST_CASE("schedule names: each parses back to its schedule, aliases too, and an
                     Contains("unknown pipeline schedule 'round_robin' (gpipe, 1f1b, interleaved, zero_bubble)"));
 }
 
+TEST_CASE("stage costs by name: named fields set, the others keep their defaults, unknown names refused") {
+  const auto costs = pp::parse_stage_costs({{{"forward", 3.0}, {"transfer", 0.5}},
+                                            {},
+                                            {{"backward", 5.0}, {"backward_input", 2.0}, {"backward_weight", 4.0}}});
+  REQUIRE(costs.size() == 3);
+  CHECK(costs[0].forward == 3.0);
+  CHECK(costs[0].transfer == 0.5);
+  CHECK(costs[0].backward == pp::ActionCosts{}.backward);
+  CHECK(costs[1].forward == pp::ActionCosts{}.forward);
+  CHECK(costs[1].backward_weight == pp::ActionCosts{}.backward_weight);
+  CHECK(costs[2].forward == pp::ActionCosts{}.forward);
+  CHECK(costs[2].backward == 5.0);
+  CHECK(costs[2].backward_input == 2.0);
+  CHECK(costs[2].backward_weight == 4.0);
+  CHECK(pp::parse_stage_costs({}).empty());
+  CHECK_THROWS_WITH(pp::parse_stage_costs({{}, {{"forwards", 1.0}}}),
+                    Contains("simulate_stages: unknown cost 'forwards' (forward, backward, backward_input, "
+                             "backward_weight, transfer)"));
+}
+
 TEST_CASE("every schedule is complete and deadlock-free, and 1F1B's bubble is (p-1)/(m+p-1)") {
   for (int ranks = 1; ranks <= 6; ++ranks) {
     for (int m = 1; m <= 12; ++m) {
