@@ -79,7 +79,6 @@ from torch import nn
 from bench_ranks import run_world
 
 logger = logging.getLogger("torchpar.bench")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 VIRTUAL_STAGES = {"interleaved": 2}
 TORCH_SCHEDULES = {  # torch.distributed.pipelining class for each torchpar schedule
     "gpipe": "ScheduleGPipe",
@@ -704,6 +703,8 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 
 
 def main() -> None:
+    from torchpar.pipeline import SCHEDULES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))

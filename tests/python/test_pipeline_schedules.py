@@ -12,7 +12,7 @@ import pytest
 
 from torchpar._C import pipeline as engine
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = tuple(engine.schedule_names())
 ActionType = engine.ActionType
 
 
@@ -239,6 +239,15 @@ def test_interleaved_needs_micro_batches_in_groups_of_the_ranks():
 
 def test_unknown_schedule_is_named():
     with pytest.raises(RuntimeError, match="unknown pipeline schedule 'pipedream'"):
+        engine.simulate("pipedream", 4, 8)
+
+
+def test_the_engine_names_the_schedules_that_python_offers():
+    import torchpar.pipeline
+
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zero_bubble")
+    assert torchpar.pipeline.SCHEDULES == SCHEDULES
+    with pytest.raises(RuntimeError, match=re.escape("(gpipe, 1f1b, interleaved, zero_bubble)")):
         engine.simulate("pipedream", 4, 8)
 
 

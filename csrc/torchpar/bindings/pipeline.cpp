@@ -68,6 +68,7 @@ void bind_pipeline(py::module_& module) {
       })
       .def("__repr__", [](const pp::Action& action) { return pp::to_string(action); });
 
+  pipeline.def("schedule_names", &pp::schedule_names);
   pipeline.def(
       "compute_actions",
       [](const std::string& schedule, int ranks, int microbatches, int virtual_stages, int rank) {
@@ -109,21 +110,8 @@ void bind_pipeline(py::module_& module) {
       "simulate_stages",
       [](const std::string& schedule, int ranks, int microbatches, int virtual_stages,
          const std::vector<std::map<std::string, double>>& stage_costs) {
-        std::vector<pp::ActionCosts> costs;
-        for (const auto& entry : stage_costs) {
-          pp::ActionCosts cost;
-          for (const auto& [name, value] : entry) {
-            if (name == "forward") cost.forward = value;
-            else if (name == "backward") cost.backward = value;
-            else if (name == "backward_input") cost.backward_input = value;
-            else if (name == "backward_weight") cost.backward_weight = value;
-            else if (name == "transfer") cost.transfer = value;
-            else TORCH_CHECK(false, "simulate_stages: unknown cost '", name,
-                             "' (forward, backward, backward_input, backward_weight, transfer)");
-          }
-          costs.push_back(cost);
-        }
-        return pp::simulate(make_spec(schedule, ranks, microbatches, virtual_stages), costs);
+        return pp::simulate(make_spec(schedule, ranks, microbatches, virtual_stages),
+                            pp::parse_stage_costs(stage_costs));
       },
       py::arg("schedule"), py::arg("ranks"), py::arg("microbatches"), py::arg("virtual_stages"),
       py::arg("stage_costs"));

@@ -18,7 +18,7 @@ struct PipelineOptions {
   // Pipeline x data parallel: the ranks holding the same stages in other replicas; their gradients
   // are averaged at the end of each step. Null: one replica.
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, data_parallel_group);
-  // "gpipe", "1f1b", "interleaved", "zero_bubble".
+  // One of schedule_names() (schedules.h).
   TORCH_ARG(std::string, schedule) = "1f1b";
   TORCH_ARG(int, microbatches) = 1;
   // Stages per rank (interleaved only).

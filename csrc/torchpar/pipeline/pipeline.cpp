@@ -1,6 +1,7 @@
 #include <torchpar/pipeline/pipeline.h>
 
 #include <torchpar/pipeline/layer_profile.h>
+#include <torchpar/pipeline/microbatches.h>
 #include <torchpar/pipeline/p2p.h>
 #include <torchpar/pipeline/partition.h>
 #include <torchpar/pipeline/replica_gradients.h>
@@ -49,16 +50,6 @@ std::vector<double> from_rank_zero(c10d::ProcessGroup& group, c10d::ProcessGroup
   return {values.data_ptr<double>(), values.data_ptr<double>() + count};
 }
 
-Tensors split_microbatches(const at::Tensor& tensor, int microbatches, const char* what, size_t index) {
-  TORCH_CHECK(tensor.defined() && tensor.dim() > 0, "pipeline.step: ", what, " ", index,
-              " must be a tensor with a batch dimension");
-  const int64_t batch = tensor.size(0);
-  TORCH_CHECK(batch % microbatches == 0, "pipeline.step: a batch of ", batch, " samples (", what, " ", index, " ",
-              describe(metas_of({tensor})), ") does not split into ", microbatches,
-              " equal micro-batches; use a batch size divisible by ", microbatches);
-  return tensor.split(batch / microbatches);
-}
-
 Tensors stage_inputs(const Tensors& received, bool first_stage) {
   Tensors leaves;
   for (const auto& tensor : received) {
@@ -66,6 +57,13 @@ Tensors stage_inputs(const Tensors& received, bool first_stage) {
     leaves.push_back(differentiable ? tensor.detach().requires_grad_(true) : tensor);
   }
   return leaves;
+}
+
+// Every rank must agree on where messages live: on the GPU exactly when the group's default
+// backend is NCCL (a rank whose stages hold no parameters cannot tell from its own).
+c10::Device message_device(const c10d::ProcessGroup& group) {
+  return group.getBackendType() == c10d::ProcessGroup::BackendType::NCCL ? c10::Device(c10::kCUDA)
+                                                                          : c10::Device(c10::kCPU);
 }
 
 } // namespace
@@ -155,9 +153,7 @@ void Pipeline::build(std::vector<LayerFactory> factories, LossFn loss) {
                                                       last ? loss : LossFn()));
     stage_parameters.push_back(stages_.back()->parameters());
   }
-  // Every rank must agree on where messages live: on the GPU exactly when the group's default
-  // backend is NCCL (a rank whose stages hold no parameters cannot tell from its own).
-  const c10::Device device = nccl ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
+  const c10::Device device = message_device(group);
   links_ = std::make_unique<StageLinks>(options_.process_group(), device);
   peers_ = PeerProcesses::gather(group, device);
   if (options_.data_parallel_group() && options_.data_parallel_group()->getSize() > 1) {
@@ -195,153 +191,185 @@ void Pipeline::check_usable(const char* call) const {
               "); its peers may be anywhere in that step, so this pipeline cannot go on: build a new one");
 }
 
+// One step's micro-batches, the results that wait for the action consuming them, and the loss so far.
+class Pipeline::StepRun {
+ public:
+  // Splits the batch; throws before anything is sent when it does not split into equal micro-batches.
+  StepRun(Pipeline& pipeline, const Tensors& inputs, const at::Tensor& target)
+      : pipeline_(pipeline), microbatches_(pipeline.spec_.microbatches), last_(pipeline.spec_.stages() - 1),
+        targets_(microbatches_) {
+    if (pipeline_.stage_rank(0) == pipeline_.rank_) {
+      TORCH_CHECK(!inputs.empty(), "pipeline.step: the first stage's rank needs inputs");
+      check_equal_microbatches(inputs, microbatches_, "step", "input");
+      inputs_ = split_microbatches(inputs, microbatches_);
+    }
+    if (pipeline_.has_last_stage() && target.defined()) {
+      check_equal_microbatches({target}, microbatches_, "step", "target");
+      auto parts = split_microbatches({target}, microbatches_);
+      for (int mb = 0; mb < microbatches_; ++mb) {
+        targets_[mb] = parts[mb].front();
+      }
+    }
+  }
+
+  void execute(const Action& action) {
+    const int s = action.stage, mb = action.microbatch;
+    const StageMicrobatch key{s, mb};
+    auto& links = *pipeline_.links_;
+    switch (action.type) {
+      case ActionType::RecvActivation:
+        links.post_activations(s, mb, pipeline_.stage_rank(s - 1));
+        break;
+      case ActionType::Forward:
+        forward(action);
+        break;
+      case ActionType::SendActivation: {
+        auto out = take(outputs_, key, "activation to send");
+        sent_[key] = metas_of(out);
+        links.send_activations(out, s + 1, mb, pipeline_.stage_rank(s + 1));
+        break;
+      }
+      case ActionType::RecvGradient:
+        arriving_gradients_.emplace(
+            key, links.post_gradients(take(sent_, key, "sent activation"), s, mb, pipeline_.stage_rank(s + 1)));
+        break;
+      case ActionType::Backward:
+      case ActionType::BackwardInput:
+        backward(action);
+        break;
+      case ActionType::BackwardWeight: {
+        const double started = milliseconds();
+        pipeline_.local_stage(s).backward_weight(mb);
+        pipeline_.timeline_.push_back({action, started, milliseconds()});
+        weights_done(s);
+        break;
+      }
+      case ActionType::SendGradient:
+        links.send_gradients(take(input_gradients_, key, "input gradient to send"),
+                             take(received_, key, "received activation"), s - 1, mb, pipeline_.stage_rank(s - 1));
+        break;
+    }
+  }
+
+  double milliseconds() const {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+  }
+  // The sum of the micro-batches' scaled losses: the batch's mean loss (last stage's rank only).
+  const at::Tensor& loss() const { return loss_sum_; }
+
+ private:
+  void forward(const Action& action) {
+    const int s = action.stage, mb = action.microbatch;
+    Tensors in;
+    if (s == 0) {
+      in = inputs_[mb];
+    } else if (pipeline_.stage_rank(s - 1) != pipeline_.rank_) {
+      in = pipeline_.links_->receive_activations(s, mb);
+      received_[{s, mb}] = metas_of(in);
+    } else {
+      in = take(outputs_, {s - 1, mb}, "local activation");
+    }
+    const double started = milliseconds();
+    auto out = pipeline_.local_stage(s).forward(mb, stage_inputs(in, s == 0), s == last_ ? targets_[mb] : at::Tensor(),
+                                                1.0 / microbatches_);
+    pipeline_.timeline_.push_back({action, started, milliseconds()});
+    if (s == last_) {
+      loss_sum_ = loss_sum_.defined() ? loss_sum_ + out[0] : out[0];
+    } else {
+      outputs_[{s, mb}] = std::move(out);
+    }
+  }
+
+  // Backward (B) or its input-gradient half (I).
+  void backward(const Action& action) {
+    const int s = action.stage, mb = action.microbatch;
+    Tensors gradients;
+    if (s != last_) {
+      if (pipeline_.stage_rank(s + 1) != pipeline_.rank_) {
+        auto pending = take(arriving_gradients_, {s, mb}, "posted gradient receive");
+        gradients = pipeline_.links_->wait(pending);
+      } else {
+        gradients = take(input_gradients_, {s + 1, mb}, "local gradient");
+      }
+    }
+    auto& stage = pipeline_.local_stage(s);
+    const double started = milliseconds();
+    auto result = action.type == ActionType::Backward ? stage.backward(mb, gradients)
+                                                      : stage.backward_input(mb, gradients);
+    pipeline_.timeline_.push_back({action, started, milliseconds()});
+    if (s > 0) {
+      input_gradients_[{s, mb}] = std::move(result);
+    }
+    if (action.type == ActionType::Backward) {
+      weights_done(s);
+    }
+  }
+
+  // A stage's gradients are complete after its last micro-batch's weight pass: their average over
+  // the replicas can start while later actions run.
+  void weights_done(int stage) {
+    if (++weight_passes_[stage] == microbatches_ && pipeline_.replica_gradients_) {
+      pipeline_.replica_gradients_->launch(stage / pipeline_.spec_.ranks);
+    }
+  }
+
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  Pipeline& pipeline_;
+  const int microbatches_;
+  const int last_;
+  std::vector<Tensors> inputs_;  // per micro-batch, on the first stage's rank
+  Tensors targets_;              // per micro-batch; undefined off the last stage's rank
+  std::map<StageMicrobatch, PendingGradients> arriving_gradients_;
+  std::map<StageMicrobatch, Tensors> outputs_;          // forward results not yet consumed
+  std::map<StageMicrobatch, Tensors> input_gradients_;  // backward results not yet consumed
+  std::map<StageMicrobatch, TensorMetas> sent_, received_;
+  std::map<int, int> weight_passes_;
+  at::Tensor loss_sum_;
+};
+
 at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
   check_usable("step");
-  const auto step_start = std::chrono::steady_clock::now();
-  auto since_step_start = [&] {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start).count();
-  };
   timeline_.clear();
-  const int m = spec_.microbatches;
-  const int last = spec_.stages() - 1;
-  std::vector<Tensors> input_microbatches(m);
-  if (stage_rank(0) == rank_) {
-    TORCH_CHECK(!inputs.empty(), "pipeline.step: the first stage's rank needs inputs");
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      auto chunks = split_microbatches(inputs[i], m, "input", i);
-      for (int mb = 0; mb < m; ++mb) {
-        input_microbatches[mb].push_back(chunks[mb]);
-      }
-    }
-  }
-  Tensors target_microbatches(m);
-  if (has_last_stage() && target.defined()) {
-    target_microbatches = split_microbatches(target, m, "target", 0);
-  }
-
-  std::map<StageMicrobatch, PendingGradients> arriving_gradients;
-  std::map<StageMicrobatch, Tensors> outputs;           // forward results not yet consumed
-  std::map<StageMicrobatch, Tensors> input_gradients;   // backward results not yet consumed
-  std::map<StageMicrobatch, TensorMetas> sent, received;
-  std::map<int, int> weight_passes;
-  at::Tensor loss_sum;
-
-  auto weights_done = [&](int stage) {
-    if (++weight_passes[stage] == m && replica_gradients_) {
-      replica_gradients_->launch(stage / spec_.ranks);
-    }
-  };
-
+  StepRun run(*this, inputs, target);
   try {
     for (const auto& action : actions_) {
-      const int s = action.stage, mb = action.microbatch;
-      const StageMicrobatch key{s, mb};
-      switch (action.type) {
-        case ActionType::RecvActivation:
-          links_->post_activations(s, mb, stage_rank(s - 1));
-          break;
-        case ActionType::Forward: {
-          Tensors in;
-          if (s == 0) {
-            in = input_microbatches[mb];
-          } else if (stage_rank(s - 1) != rank_) {
-            in = links_->receive_activations(s, mb);
-            received[key] = metas_of(in);
-          } else {
-            in = take(outputs, {s - 1, mb}, "local activation");
-          }
-          const double started = since_step_start();
-          auto out = local_stage(s).forward(mb, stage_inputs(in, s == 0), s == last ? target_microbatches[mb] : at::Tensor(),
-                                            1.0 / m);
-          timeline_.push_back({action, started, since_step_start()});
-          if (s == last) {
-            loss_sum = loss_sum.defined() ? loss_sum + out[0] : out[0];
-          } else {
-            outputs[key] = std::move(out);
-          }
-          break;
-        }
-        case ActionType::SendActivation: {
-          auto out = take(outputs, key, "activation to send");
-          sent[key] = metas_of(out);
-          links_->send_activations(out, s + 1, mb, stage_rank(s + 1));
-          break;
-        }
-        case ActionType::RecvGradient:
-          arriving_gradients.emplace(key, links_->post_gradients(take(sent, key, "sent activation"), s, mb,
-                                                                 stage_rank(s + 1)));
-          break;
-        case ActionType::Backward:
-        case ActionType::BackwardInput: {
-          Tensors gradients;
-          if (s != last) {
-            if (stage_rank(s + 1) != rank_) {
-              auto pending = take(arriving_gradients, key, "posted gradient receive");
-              gradients = links_->wait(pending);
-            } else {
-              gradients = take(input_gradients, {s + 1, mb}, "local gradient");
-            }
-          }
-          auto& stage = local_stage(s);
-          const double started = since_step_start();
-          auto result = action.type == ActionType::Backward ? stage.backward(mb, gradients)
-                                                            : stage.backward_input(mb, gradients);
-          timeline_.push_back({action, started, since_step_start()});
-          if (s > 0) {
-            input_gradients[key] = std::move(result);
-          }
-          if (action.type == ActionType::Backward) {
-            weights_done(s);
-          }
-          break;
-        }
-        case ActionType::BackwardWeight: {
-          const double started = since_step_start();
-          local_stage(s).backward_weight(mb);
-          timeline_.push_back({action, started, since_step_start()});
-          weights_done(s);
-          break;
-        }
-        case ActionType::SendGradient:
-          links_->send_gradients(take(input_gradients, key, "input gradient to send"),
-                                 take(received, key, "received activation"), s - 1, mb, stage_rank(s - 1));
-          break;
-      }
+      run.execute(action);
     }
     links_->wait_sends();
     if (replica_gradients_) {
       replica_gradients_->finish();
     }
-    step_milliseconds_ = since_step_start();
+    step_milliseconds_ = run.milliseconds();
   } catch (...) {
-    for (auto& stage : stages_) {
-      stage->discard_in_flight();
-    }
-    links_->discard_pending();
-    if (replica_gradients_) {
-      replica_gradients_->discard();
-    }
-    // The peers' view of this step is unknown (which transfers and all-reduces completed), so no
-    // later step could be trusted to pair its messages with theirs.
-    failed_ = true;
-    peers_.rethrow_naming_lost();
+    abandon();
   }
+  return options_.loss_on_all_ranks() ? broadcast_loss(run.loss()) : run.loss();
+}
 
-  if (!options_.loss_on_all_ranks()) {
-    return loss_sum;
-  }
-  const auto device = options_.process_group()->getBackendType() == c10d::ProcessGroup::BackendType::NCCL
-                          ? c10::Device(c10::kCUDA)
-                          : c10::Device(c10::kCPU);
+at::Tensor Pipeline::broadcast_loss(const at::Tensor& loss_sum) {
+  const auto device = message_device(*options_.process_group());
   std::vector<at::Tensor> loss{has_last_stage() ? loss_sum.detach().reshape({1}).to(device, at::kDouble)
                                                 : at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device))};
   try {
-    options_.process_group()->broadcast(loss, {stage_rank(last), 0})->wait();
+    options_.process_group()->broadcast(loss, {stage_rank(spec_.stages() - 1), 0})->wait();
   } catch (...) {
-    failed_ = true;
-    peers_.rethrow_naming_lost();
+    abandon();
   }
   return has_last_stage() ? loss_sum : loss[0].reshape({}).to(at::kCPU, at::kFloat);
+}
+
+void Pipeline::abandon() {
+  for (auto& stage : stages_) {
+    stage->discard_in_flight();
+  }
+  links_->discard_pending();
+  if (replica_gradients_) {
+    replica_gradients_->discard();
+  }
+  // The peers' view of this call is unknown (which transfers and all-reduces completed), so no
+  // later step could be trusted to pair its messages with theirs.
+  failed_ = true;
+  peers_.rethrow_naming_lost();
 }
 
 Tensors Pipeline::forward(const Tensors& inputs) {
@@ -349,12 +377,7 @@ Tensors Pipeline::forward(const Tensors& inputs) {
   try {
     return run_forward(inputs);
   } catch (...) {
-    for (auto& stage : stages_) {
-      stage->discard_in_flight();
-    }
-    links_->discard_pending();
-    failed_ = true;
-    peers_.rethrow_naming_lost();
+    abandon();
   }
 }
 
@@ -364,12 +387,7 @@ Tensors Pipeline::run_forward(const Tensors& inputs) {
   std::vector<Tensors> input_microbatches(m);
   if (stage_rank(0) == rank_) {
     TORCH_CHECK(!inputs.empty(), "pipeline.forward: the first stage's rank needs inputs");
-    for (const auto& input : inputs) {
-      auto chunks = input.tensor_split(m);
-      for (int mb = 0; mb < m; ++mb) {
-        input_microbatches[mb].push_back(chunks[mb]);
-      }
-    }
+    input_microbatches = split_microbatches(inputs, m);
   }
   std::map<StageMicrobatch, Tensors> local_outputs;
   std::vector<Tensors> results;

@@ -35,7 +35,8 @@ class Pipeline {
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;
 
-  // One training step on a batch: split into micro-batches along dimension 0, run the schedule,
+  // One training step on a batch: split into equal micro-batches along dimension 0 (a batch size
+  // that does not divide is refused before anything is sent), run the schedule,
   // accumulate every stage's gradients (averaged over the batch, as a mean loss over it would give),
   // average them over the data-parallel replicas. Returns the batch's mean loss (on every rank, or
   // only on the last stage's rank — undefined elsewhere — see loss_on_all_ranks). `inputs` matter
@@ -43,7 +44,8 @@ class Pipeline {
   at::Tensor step(const Tensors& inputs, const at::Tensor& target);
   at::Tensor step(const at::Tensor& input, const at::Tensor& target) { return step(Tensors{input}, target); }
 
-  // Forward only, without gradients (evaluation); the last stage's outputs on its rank, empty elsewhere.
+  // Forward only, without gradients (evaluation), of a batch of any size (cut as split_microbatches
+  // cuts); the last stage's outputs on its rank, empty elsewhere.
   Tensors forward(const Tensors& inputs);
 
   // This rank's parameters (what its optimizer steps on).
@@ -64,11 +66,18 @@ class Pipeline {
   double last_step_milliseconds() const { return step_milliseconds_; }
 
  private:
+  class StepRun;  // one step's state and its action switch
+
   void build(std::vector<LayerFactory> factories, LossFn loss);
   void plan_partition(const std::vector<LayerFactory>& factories);
   PipelineStage& local_stage(int stage);
   void check_usable(const char* call) const;
   Tensors run_forward(const Tensors& inputs);
+  // Returns the step's loss on every rank (`loss_sum` on the last stage's, undefined elsewhere).
+  at::Tensor broadcast_loss(const at::Tensor& loss_sum);
+  // Inside a catch block, after a failed step or forward: drops what is in flight, marks this
+  // pipeline unusable and rethrows.
+  [[noreturn]] void abandon();
   int stage_rank(int stage) const { return rank_of_stage(stage, spec_.ranks); }
 
   PipelineOptions options_;

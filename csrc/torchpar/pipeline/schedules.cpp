@@ -1,8 +1,10 @@
 #include <torchpar/pipeline/schedules.h>
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace torchpar::pipeline {
 namespace {
@@ -113,26 +115,43 @@ bool produces_remote_output(const Action& action, int ranks, int stages) {
   return false;
 }
 
+constexpr ScheduleKind kScheduleKinds[] = {ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B,
+                                           ScheduleKind::ZeroBubbleH1};
+
 } // namespace
+
+std::vector<std::string> schedule_names() {
+  std::vector<std::string> names;
+  for (auto kind : kScheduleKinds) {
+    names.push_back(schedule_name(kind));
+  }
+  return names;
+}
 
 ScheduleKind parse_schedule(const std::string& name) {
   std::string key = name;
   std::transform(key.begin(), key.end(), key.begin(), [](unsigned char c) {
     return c == '-' ? '_' : static_cast<char>(std::tolower(c));
   });
-  if (key == "gpipe") {
-    return ScheduleKind::GPipe;
+  for (auto kind : kScheduleKinds) {
+    if (key == schedule_name(kind)) {
+      return kind;
+    }
   }
-  if (key == "1f1b" || key == "one_f_one_b") {
-    return ScheduleKind::OneFOneB;
+  static const std::pair<const char*, ScheduleKind> aliases[] = {
+      {"one_f_one_b", ScheduleKind::OneFOneB},
+      {"interleaved_1f1b", ScheduleKind::Interleaved1F1B},
+      {"interleaved1f1b", ScheduleKind::Interleaved1F1B},
+      {"zb_h1", ScheduleKind::ZeroBubbleH1},
+      {"zbh1", ScheduleKind::ZeroBubbleH1},
+      {"zero_bubble_h1", ScheduleKind::ZeroBubbleH1},
+  };
+  for (const auto& [alias, kind] : aliases) {
+    if (key == alias) {
+      return kind;
+    }
   }
-  if (key == "interleaved" || key == "interleaved_1f1b" || key == "interleaved1f1b") {
-    return ScheduleKind::Interleaved1F1B;
-  }
-  if (key == "zero_bubble" || key == "zb_h1" || key == "zbh1" || key == "zero_bubble_h1") {
-    return ScheduleKind::ZeroBubbleH1;
-  }
-  TORCH_CHECK(false, "unknown pipeline schedule '", name, "' (gpipe, 1f1b, interleaved, zero_bubble)");
+  TORCH_CHECK(false, "unknown pipeline schedule '", name, "' (", c10::Join(", ", schedule_names()), ")");
 }
 
 std::string schedule_name(ScheduleKind kind) {

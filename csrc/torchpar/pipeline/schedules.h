@@ -25,7 +25,11 @@ struct ScheduleSpec {
   int stages() const { return ranks * virtual_stages; }
 };
 
-// "gpipe", "1f1b", "interleaved" (or "interleaved_1f1b"), "zero_bubble" (or "zb_h1"); throws on others.
+// Every schedule's name, in ScheduleKind's order: "gpipe", "1f1b", "interleaved", "zero_bubble" (what
+// the Python API and the command lines offer).
+std::vector<std::string> schedule_names();
+// A name of schedule_names(), any case, '-' for '_', or an alias ("interleaved_1f1b", "zb_h1" ...);
+// throws on others, listing the names.
 ScheduleKind parse_schedule(const std::string& name);
 std::string schedule_name(ScheduleKind kind);
 

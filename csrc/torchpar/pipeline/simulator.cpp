@@ -1,6 +1,7 @@
 #include <torchpar/pipeline/simulator.h>
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <cmath>
@@ -8,6 +9,7 @@
 #include <optional>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 namespace torchpar::pipeline {
 namespace {
@@ -233,6 +235,34 @@ class Simulator {
 };
 
 } // namespace
+
+std::vector<ActionCosts> parse_stage_costs(const std::vector<std::map<std::string, double>>& stage_costs) {
+  static const std::pair<std::string, double ActionCosts::*> fields[] = {
+      {"forward", &ActionCosts::forward},
+      {"backward", &ActionCosts::backward},
+      {"backward_input", &ActionCosts::backward_input},
+      {"backward_weight", &ActionCosts::backward_weight},
+      {"transfer", &ActionCosts::transfer},
+  };
+  std::vector<ActionCosts> costs;
+  for (const auto& named : stage_costs) {
+    ActionCosts stage;
+    for (const auto& [name, value] : named) {
+      const auto field = std::find_if(std::begin(fields), std::end(fields),
+                                      [&name = name](const auto& field) { return field.first == name; });
+      if (field == std::end(fields)) {
+        std::vector<std::string> known;
+        for (const auto& entry : fields) {
+          known.push_back(entry.first);
+        }
+        TORCH_CHECK(false, "simulate_stages: unknown cost '", name, "' (", c10::Join(", ", known), ")");
+      }
+      stage.*(field->second) = value;
+    }
+    costs.push_back(stage);
+  }
+  return costs;
+}
 
 Simulation simulate(const std::vector<std::vector<Action>>& rank_actions, int stages, int microbatches,
                     const ActionCosts& costs) {

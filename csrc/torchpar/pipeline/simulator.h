@@ -4,6 +4,7 @@
 #include <torchpar/pipeline/action.h>
 #include <torchpar/pipeline/schedules.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,11 @@ struct ActionCosts {
   double backward_weight = 1.0;
   double transfer = 0.0;
 };
+
+// Costs given by name, one map per stage, as Python passes them to simulate_stages: the keys are
+// ActionCosts' fields ("forward", "backward", "backward_input", "backward_weight", "transfer"), and
+// a field a map leaves out keeps its default. Throws on any other key, listing the fields.
+std::vector<ActionCosts> parse_stage_costs(const std::vector<std::map<std::string, double>>& stage_costs);
 
 struct TimedAction {
   Action action;

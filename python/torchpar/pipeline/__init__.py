@@ -34,7 +34,7 @@ __all__ = [
     "uniform_partition",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = tuple(_engine.schedule_names())
 simulate = _engine.simulate
 simulate_stages = _engine.simulate_stages
 balanced_partition = _engine.balanced_partition
@@ -64,7 +64,7 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage, for one micro-batch; the
             mean over micro-batches is what ``step`` returns and differentiates.
         microbatches: micro-batches per step; the batch size must be divisible by it.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zero_bubble"``.
+        schedule: one of ``SCHEDULES``.
         virtual_stages: stages per rank (``"interleaved"`` only).
         balance: layers per stage (a list), or how to choose them: ``"uniform"`` (layer count),
             ``"parameters"``, or ``"time"`` (each layer's forward+backward measured on

@@ -22,7 +22,6 @@ from matplotlib.patches import Patch
 # The engine itself rather than the package's re-exports: the CLI needs nothing of the runtime.
 from torchpar._C import pipeline as engine
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 ACTION_COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
 ACTION_MEANINGS = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
 
@@ -105,7 +104,7 @@ def draw_timeline(simulation, title: str, path: pathlib.Path) -> None:
 
 def parse_arguments(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m torchpar.pipeline.show", description=__doc__.splitlines()[0])
-    parser.add_argument("schedule", choices=SCHEDULES)
+    parser.add_argument("schedule", choices=engine.schedule_names())
     parser.add_argument("--stages", type=int, default=4, help="pipeline ranks p (default 4)")
     parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step m (default 8)")
     parser.add_argument("--virtual-stages", type=int, default=1,
