@@ -3,15 +3,11 @@
 // anything. No communication and no server state beyond the tables, so the wire-format fuzzer
 // (tests/fuzz) runs every request kind through exactly the server's checks.
 #include <torchpar/ps/messages.h>
+#include <torchpar/ps/table.h>
 
-#include <memory>
 #include <string>
-#include <vector>
 
 namespace torchpar::ps {
-
-class Table;
-using Tables = std::vector<std::unique_ptr<Table>>; // by table id
 
 // The table `id` names on server `server_index`; throws when it holds no such table.
 Table& table_by_id(const Tables& tables, uint32_t id, int server_index);

@@ -1,10 +1,11 @@
 #include <torchpar/ps/server.h>
 
 #include <torchpar/ps/channel.h>
-#include <torchpar/ps/checkpoint_file.h>
+#include <torchpar/ps/consistency.h>
 #include <torchpar/ps/dense_table.h>
 #include <torchpar/ps/messages.h>
 #include <torchpar/ps/request_checks.h>
+#include <torchpar/ps/server_checkpoint.h>
 #include <torchpar/ps/sparse_table.h>
 
 #include <ATen/ops/from_blob.h>
@@ -30,7 +31,18 @@ std::string reason_of(const std::exception& error) {
   return error.what();
 }
 
-enum class WorkerState { Active, Finished, Lost };
+ServerOptions with_default_log(ServerOptions options) {
+  if (!options.log) {
+    options.log = [](bool warning, const std::string& line) {
+      if (warning) {
+        LOG(WARNING) << line;
+      } else {
+        LOG(INFO) << line;
+      }
+    };
+  }
+  return options;
+}
 
 struct Event {
   int worker = 0;
@@ -55,22 +67,11 @@ class Server {
         index_(index),
         num_servers_(num_servers),
         worker_ranks_(std::move(worker_ranks)),
-        options_(std::move(options)),
-        states_(worker_ranks_.size(), WorkerState::Active),
-        checkpoint_requests_(worker_ranks_.size(), -1) {
-    if (!options_.log) {
-      options_.log = [](bool warning, const std::string& line) {
-        if (warning) {
-          LOG(WARNING) << line;
-        } else {
-          LOG(INFO) << line;
-        }
-      };
-    }
-    if (!options_.checkpoint_dir.empty()) {
-      restore_checkpoint();
-    }
-  }
+        options_(with_default_log(std::move(options))),
+        consistency_(options_.consistency, options_.staleness, options_.timeout, num_workers(), Clock::now()),
+        checkpoint_(options_.checkpoint_dir, options_.checkpoint_every, index_, num_servers_, num_workers(),
+                    options_.consistency, [this](const std::string& line) { info(line); }),
+        checkpoint_requests_(worker_ranks_.size(), -1) {}
 
   ServerSummary run();
 
@@ -82,12 +83,6 @@ class Server {
   std::string prefix() const { return "torchpar.ps server " + std::to_string(index_) + ": "; }
   void info(const std::string& line) { options_.log(false, prefix() + line); }
   void warn(const std::string& line) { options_.log(true, prefix() + line); }
-  bool any_active() const {
-    return std::any_of(states_.begin(), states_.end(), [](WorkerState s) { return s == WorkerState::Active; });
-  }
-  int active_count() const {
-    return static_cast<int>(std::count(states_.begin(), states_.end(), WorkerState::Active));
-  }
 
   void handle(Event&& event);
   void handle_message(int worker, Message&& message);
@@ -98,12 +93,9 @@ class Server {
   // Restored from the checkpoint when it holds the table.
   void add_table(std::unique_ptr<Table> table, const std::string& description);
   void apply_pushes(int worker, const Request& request);
-  void contribute(int worker, Table& table, at::Tensor ids, at::Tensor grads);
-  bool readable(int worker, const Request& request);
   void answer_reads(int worker, int64_t id, const Request& request);
   void progress();
   void advance();
-  bool apply_full_rounds();
   void finish_checkpoint_requests();
   void lose(int worker, const std::string& reason);
   void refuse_waiting(int worker, const std::string& reason);
@@ -111,12 +103,6 @@ class Server {
   void log_stats();
 
   Table& table(uint32_t id);
-  int64_t slowest_clock(const Table& table) const;
-  std::vector<c10::IValue> snapshot_tables() const;
-  void write_checkpoint(const std::vector<c10::IValue>& tables, const std::string& why);
-  void take_periodic_snapshot(Table& table);
-  void restore_checkpoint();
-  void restore_table(Table& table, const c10::impl::GenericDict& state);
 
   void send(int worker, Message message);
   void reply_ok(int worker, int64_t id, std::vector<uint8_t> payload = {});
@@ -127,12 +113,11 @@ class Server {
   int num_servers_;
   std::vector<int> worker_ranks_;
   ServerOptions options_;
+  ConsistencyEngine consistency_;
+  ServerCheckpoint checkpoint_;
 
-  std::vector<WorkerState> states_;
-  std::vector<Clock::time_point> last_heard_; // each worker's last message: a silent one is dropped
-  std::vector<std::unique_ptr<Table>> tables_;
+  Tables tables_;
   std::map<std::string, uint32_t> table_ids_;
-  std::map<std::string, c10::impl::GenericDict> restored_;
   struct WaitingRegistration {
     int worker;
     int64_t id;
@@ -141,8 +126,6 @@ class Server {
   std::map<std::string, std::vector<WaitingRegistration>> waiting_registrations_; // before worker 0's
   std::list<Deferred> deferred_;
   std::vector<int64_t> checkpoint_requests_; // per worker: the id of its waiting request, or -1
-  std::map<int64_t, std::map<std::string, c10::IValue>> periodic_snapshots_; // BSP: clock -> table -> state
-  int64_t next_periodic_clock_ = 0;
 
   // Channels' receiver threads handle their messages under this lock, the main loop its timers.
   std::mutex mutex_;
@@ -159,16 +142,6 @@ class Server {
 
 Table& Server::table(uint32_t id) {
   return table_by_id(tables_, id, index_);
-}
-
-int64_t Server::slowest_clock(const Table& table) const {
-  int64_t slowest = std::numeric_limits<int64_t>::max();
-  for (int w = 0; w < num_workers(); ++w) {
-    if (states_[w] == WorkerState::Active) {
-      slowest = std::min(slowest, table.pushes[w]);
-    }
-  }
-  return slowest;
 }
 
 void Server::send(int worker, Message message) {
@@ -188,8 +161,8 @@ void Server::reply_error(int worker, int64_t id, const std::string& reason) {
 
 ServerSummary Server::run() {
   std::unique_lock<std::mutex> lock(mutex_);
-  last_heard_.assign(num_workers(), Clock::now());
   for (int w = 0; w < num_workers(); ++w) {
+    consistency_.heard_from(w, Clock::now()); // silence counts from here
     auto deliver = [this](Event event) {
       {
         std::lock_guard<std::mutex> guard(mutex_);
@@ -211,7 +184,7 @@ ServerSummary Server::run() {
        consistency_name(options_.consistency) +
        (options_.consistency == Consistency::SSP ? " (staleness " + std::to_string(options_.staleness) + ")" : ""));
   auto next_stats = Clock::now() + options_.stats_interval;
-  while (any_active()) {
+  while (consistency_.any_active()) {
     changed_.wait_for(lock, std::chrono::milliseconds(100));
     drop_late_workers();
     if (Clock::now() >= next_stats) {
@@ -219,12 +192,9 @@ ServerSummary Server::run() {
       next_stats = Clock::now() + options_.stats_interval;
     }
   }
-  // Only a clean end is worth a checkpoint: when every worker was lost (a crash, a dead server), the
-  // last periodic or requested checkpoint is the one all servers agree on.
-  if (!options_.checkpoint_dir.empty() && !tables_.empty() &&
-      std::count(states_.begin(), states_.end(), WorkerState::Finished) > 0) {
+  if (checkpoint_.due_at_end(tables_, consistency_.any_finished())) {
     try {
-      write_checkpoint(snapshot_tables(), "at the end");
+      checkpoint_.write(tables_, "at the end");
     } catch (const std::exception& error) {
       warn(std::string("the final checkpoint failed: ") + reason_of(error));
     }
@@ -251,10 +221,10 @@ void Server::handle(Event&& event) {
 
 void Server::handle_message(int worker, Message&& message) {
   const Frame frame = message.frame;
-  last_heard_[worker] = Clock::now();
+  consistency_.heard_from(worker, Clock::now());
   summary_.requests += 1;
   summary_.bytes_in += Frame::kFields * 8 + frame.payload_bytes;
-  if (states_[worker] == WorkerState::Lost) {
+  if (consistency_.state(worker) == WorkerState::Lost) {
     if (frame.kind == MessageKind::Finish) {
       send(worker, make_message(MessageKind::Bye, frame.request_id, {}));
     } else {
@@ -305,13 +275,13 @@ void Server::dispatch(int worker, const Frame& frame, Request&& request, at::Ten
       return;
     }
     case MessageKind::Checkpoint:
-      TORCH_CHECK(!options_.checkpoint_dir.empty(), "no checkpoint directory was given to the parameter service");
+      TORCH_CHECK(checkpoint_.enabled(), "no checkpoint directory was given to the parameter service");
       checkpoint_requests_[worker] = id;
       return;
     case MessageKind::Finish:
-      states_[worker] = WorkerState::Finished;
+      consistency_.finish(worker);
       refuse_waiting(worker, "torchpar.ps: " + who(worker) + " finished while this request waited");
-      info(who(worker) + " finished; " + std::to_string(active_count()) + " still training");
+      info(who(worker) + " finished; " + std::to_string(consistency_.active_count()) + " still training");
       send(worker, make_message(MessageKind::Bye, id, {}));
       return;
     default:
@@ -321,7 +291,7 @@ void Server::dispatch(int worker, const Frame& frame, Request&& request, at::Ten
   apply_pushes(worker, request);
   if (request.kind == MessageKind::Push || request.kind == MessageKind::PushRows) {
     reply_ok(worker, id);
-  } else if (readable(worker, request)) {
+  } else if (consistency_.readable(request, tables_)) {
     answer_reads(worker, id, request);
   } else {
     deferred_.push_back(Deferred{worker, id, std::move(request), std::move(payload)});
@@ -332,52 +302,15 @@ void Server::apply_pushes(int worker, const Request& request) {
   if (request.kind == MessageKind::Push || request.kind == MessageKind::PushPull) {
     for (const auto& item : request.dense) {
       auto grads = at::from_blob(const_cast<uint8_t*>(item.data), {item.numel}, item.dtype);
-      contribute(worker, table(item.table), at::Tensor(), std::move(grads));
+      consistency_.contribute(worker, table(item.table), at::Tensor(), std::move(grads), Clock::now());
     }
   } else if (request.kind == MessageKind::PushRows) {
     for (const auto& item : request.rows) {
       auto ids = at::from_blob(const_cast<int64_t*>(item.ids), {item.count}, at::kLong);
       auto grads = at::from_blob(const_cast<uint8_t*>(item.data), {item.count, item.dim}, item.dtype);
-      contribute(worker, table(item.table), std::move(ids), std::move(grads));
+      consistency_.contribute(worker, table(item.table), std::move(ids), std::move(grads), Clock::now());
     }
   }
-}
-
-// `ids` and `grads` point into the request: applied at once, or copied to wait for their round.
-void Server::contribute(int worker, Table& table, at::Tensor ids, at::Tensor grads) {
-  const int64_t clock = table.pushes[worker]++;
-  if (options_.consistency != Consistency::BSP) {
-    if (grads.numel() > 0) {
-      table.apply_mean({ids}, {grads});
-    }
-    return;
-  }
-  auto& round = table.rounds[clock];
-  if (round.contributions.empty()) {
-    round.contributions.resize(num_workers());
-    round.opened = Clock::now();
-  }
-  round.contributions[worker] = std::make_pair(ids.defined() ? ids.clone() : ids, grads.clone());
-  round.count += 1;
-}
-
-bool Server::readable(int worker, const Request& request) {
-  auto ready = [&](const Table& t, int64_t clock) {
-    switch (options_.consistency) {
-      case Consistency::ASP: return true;
-      case Consistency::BSP: return t.applied >= clock;
-      case Consistency::SSP: return clock - slowest_clock(t) <= options_.staleness;
-    }
-    return true;
-  };
-  const int64_t ahead = request.kind == MessageKind::PushPull ? 1 : 0;
-  for (const auto& item : request.dense) {
-    if (!ready(*tables_[item.table], item.clock + ahead)) return false;
-  }
-  for (const auto& item : request.rows) {
-    if (!ready(*tables_[item.table], item.clock)) return false;
-  }
-  return true;
 }
 
 void Server::answer_reads(int worker, int64_t id, const Request& request) {
@@ -389,7 +322,7 @@ void Server::answer_reads(int worker, int64_t id, const Request& request) {
   const int64_t ahead = request.kind == MessageKind::PushPull ? 1 : 0;
   for (const auto& item : request.dense) {
     const auto& t = static_cast<const DenseTable&>(*tables_[item.table]);
-    const int64_t slowest = slowest_clock(t);
+    const int64_t slowest = consistency_.slowest_clock(t);
     if (slowest != std::numeric_limits<int64_t>::max()) {
       summary_.max_staleness = std::max(summary_.max_staleness, item.clock + ahead - slowest);
     }
@@ -397,7 +330,7 @@ void Server::answer_reads(int worker, int64_t id, const Request& request) {
   }
   for (const auto& item : request.rows) {
     auto& t = static_cast<SparseTable&>(*tables_[item.table]);
-    const int64_t slowest = slowest_clock(t);
+    const int64_t slowest = consistency_.slowest_clock(t);
     if (slowest != std::numeric_limits<int64_t>::max()) {
       summary_.max_staleness = std::max(summary_.max_staleness, item.clock - slowest);
     }
@@ -407,60 +340,16 @@ void Server::answer_reads(int worker, int64_t id, const Request& request) {
   reply_ok(worker, id, writer.release());
 }
 
-bool Server::apply_full_rounds() {
-  bool applied = false;
-  for (auto& table : tables_) {
-    while (!table->rounds.empty() && table->rounds.begin()->first == table->applied) {
-      auto& round = table->rounds.begin()->second;
-      bool full = true;
-      for (int w = 0; w < num_workers(); ++w) {
-        full = full && !(states_[w] == WorkerState::Active && !round.contributions[w]);
-      }
-      if (!full) {
-        break; // this table waits for a worker; the next ones may not
-      }
-      std::vector<at::Tensor> ids;
-      std::vector<at::Tensor> grads;
-      for (auto& contribution : round.contributions) {
-        if (contribution) {
-          ids.push_back(contribution->first);
-          grads.push_back(contribution->second);
-        }
-      }
-      table->apply_mean(ids, grads);
-      table->rounds.erase(table->rounds.begin());
-      table->applied += 1;
-      applied = true;
-      if (options_.checkpoint_every > 0 && table->applied % options_.checkpoint_every == 0 &&
-          !options_.checkpoint_dir.empty()) {
-        take_periodic_snapshot(*table);
-      }
-    }
-  }
-  return applied;
-}
-
 void Server::advance() {
   if (options_.consistency == Consistency::BSP) {
-    while (apply_full_rounds()) {
-    }
-  } else if (options_.checkpoint_every > 0 && !options_.checkpoint_dir.empty() && !tables_.empty() &&
-             any_active()) {
-    int64_t clock = std::numeric_limits<int64_t>::max();
-    for (const auto& table : tables_) {
-      const int64_t slowest = slowest_clock(*table);
-      // Read-only tables (nobody ever pushed) do not hold the clock back.
-      if (*std::max_element(table->pushes.begin(), table->pushes.end()) > 0) clock = std::min(clock, slowest);
-    }
-    if (clock != std::numeric_limits<int64_t>::max() && clock >= next_periodic_clock_ + options_.checkpoint_every) {
-      write_checkpoint(snapshot_tables(), "at clock " + std::to_string(clock));
-      next_periodic_clock_ = clock / options_.checkpoint_every * options_.checkpoint_every;
-    }
+    consistency_.apply_full_rounds(tables_, [this](Table& table) { checkpoint_.round_applied(table, tables_); });
+  } else {
+    checkpoint_.clock_reached(consistency_.common_clock(tables_), tables_);
   }
   for (auto it = deferred_.begin(); it != deferred_.end();) {
-    if (states_[it->worker] != WorkerState::Active) {
+    if (consistency_.state(it->worker) != WorkerState::Active) {
       it = deferred_.erase(it);
-    } else if (readable(it->worker, it->request)) {
+    } else if (consistency_.readable(it->request, tables_)) {
       answer_reads(it->worker, it->id, it->request);
       it = deferred_.erase(it);
     } else {
@@ -471,9 +360,9 @@ void Server::advance() {
 }
 
 void Server::finish_checkpoint_requests() {
-  bool all = active_count() > 0;
+  bool all = consistency_.any_active();
   for (int w = 0; w < num_workers(); ++w) {
-    if (states_[w] == WorkerState::Active && checkpoint_requests_[w] < 0) {
+    if (consistency_.state(w) == WorkerState::Active && checkpoint_requests_[w] < 0) {
       all = false;
     }
   }
@@ -482,7 +371,7 @@ void Server::finish_checkpoint_requests() {
   }
   std::string failure;
   try {
-    write_checkpoint(snapshot_tables(), "on request");
+    checkpoint_.write(tables_, "on request");
   } catch (const std::exception& error) {
     failure = reason_of(error);
   }
@@ -499,12 +388,12 @@ void Server::finish_checkpoint_requests() {
 }
 
 void Server::lose(int worker, const std::string& reason) {
-  if (states_[worker] != WorkerState::Active) {
+  if (!consistency_.lose(worker)) {
     return;
   }
-  states_[worker] = WorkerState::Lost;
   summary_.lost_workers.push_back(worker);
-  warn(who(worker) + " lost: " + reason + "; continuing with " + std::to_string(active_count()) + " workers");
+  warn(who(worker) + " lost: " + reason + "; continuing with " + std::to_string(consistency_.active_count()) +
+       " workers");
   // A worker dropped while alive hears why its waiting requests end (a dead one's sends just fail).
   refuse_waiting(worker, "torchpar.ps: " + who(worker) + " was dropped by server " + std::to_string(index_) + ": " +
                              reason);
@@ -533,55 +422,19 @@ void Server::refuse_waiting(int worker, const std::string& reason) {
 }
 
 void Server::drop_late_workers() {
-  const auto now = Clock::now();
-  if (options_.consistency != Consistency::BSP) {
-    // Without rounds, a silent worker holds things up only when the others wait for it: an SSP read
-    // waiting for the slowest clock, or the service's end once every other worker is done. Then
-    // silence past the timeout counts as lost (a worker that is merely idle meanwhile is not).
-    const bool read_waits_too_long = std::any_of(deferred_.begin(), deferred_.end(), [&](const Deferred& read) {
-      return now - read.since >= options_.timeout;
-    });
-    if (!read_waits_too_long && active_count() > 1) {
-      return;
-    }
-    std::vector<bool> waiting(num_workers(), false); // a worker whose read waits is quiet, not silent
-    for (const auto& read : deferred_) {
-      waiting[read.worker] = true;
-    }
-    for (int w = 0; w < num_workers(); ++w) {
-      if (states_[w] == WorkerState::Active && !waiting[w] && now - last_heard_[w] >= options_.timeout) {
-        lose(w, "it sent nothing for longer than the timeout (" + std::to_string(options_.timeout.count()) + " ms)" +
-                    (read_waits_too_long ? " while other workers' reads waited for it" : ""));
-      }
-    }
-    return;
+  std::vector<WaitingRead> waiting;
+  for (const auto& read : deferred_) {
+    waiting.push_back({read.worker, read.since});
   }
-  for (const auto& table : tables_) {
-    if (table->rounds.empty() || table->rounds.begin()->first != table->applied) {
-      continue;
-    }
-    const auto& round = table->rounds.begin()->second;
-    if (now - round.opened < options_.timeout) {
-      continue;
-    }
-    // Collected first: dropping a worker may complete and erase this round.
-    std::vector<int> late;
-    for (int w = 0; w < num_workers(); ++w) {
-      if (states_[w] == WorkerState::Active && !round.contributions[w]) late.push_back(w);
-    }
-    const std::string why = "it did not push clock " + std::to_string(table->applied) + " of table '" +
-                            table->name() + "' within the timeout (" + std::to_string(options_.timeout.count()) +
-                            " ms)";
-    for (int w : late) {
-      lose(w, why);
-    }
-    return; // the tables may have changed under the loop; the next tick looks again
+  // Collected first: dropping a worker may complete a round and answer reads.
+  for (const auto& drop : consistency_.late_workers(tables_, waiting, Clock::now())) {
+    lose(drop.worker, drop.reason);
   }
 }
 
 void Server::register_dense(int worker, int64_t id, const DenseRegistration& registration) {
   auto existing = table_ids_.find(registration.name);
-  if (existing == table_ids_.end() && worker != 0 && !restored_.count(registration.name)) {
+  if (existing == table_ids_.end() && worker != 0 && !checkpoint_.holds(registration.name)) {
     // Worker 0's values start the table; the others' registrations wait for them.
     DenseRegistration waiting = registration;
     waiting.initial = nullptr;
@@ -614,12 +467,12 @@ void Server::register_dense(int worker, int64_t id, const DenseRegistration& reg
 }
 
 void Server::add_table(std::unique_ptr<Table> table, const std::string& description) {
-  const auto saved = restored_.find(table->name());
-  if (saved != restored_.end()) {
-    restore_table(*table, saved->second);
+  const bool restored = checkpoint_.restore(*table);
+  if (restored) {
+    consistency_.resume_restored(*table);
   }
   info("table '" + table->name() + "' (" + description + ") " +
-       (saved != restored_.end() ? "restored from the checkpoint" : "created"));
+       (restored ? "restored from the checkpoint" : "created"));
   table_ids_[table->name()] = static_cast<uint32_t>(tables_.size());
   tables_.push_back(std::move(table));
 }
@@ -640,91 +493,8 @@ void Server::register_sparse(int worker, int64_t id, const SparseRegistration& r
 void Server::answer_registration(int worker, int64_t id, const std::string& name) {
   const uint32_t table = table_ids_.at(name);
   WireWriter writer;
-  encode_registered(writer, Registered{table, tables_[table]->pushes[worker], restored_.count(name) > 0});
+  encode_registered(writer, Registered{table, tables_[table]->pushes[worker], checkpoint_.holds(name)});
   reply_ok(worker, id, writer.release());
-}
-
-std::vector<c10::IValue> Server::snapshot_tables() const {
-  std::vector<c10::IValue> tables;
-  for (const auto& table : tables_) {
-    tables.emplace_back(table->snapshot());
-  }
-  return tables;
-}
-
-void Server::take_periodic_snapshot(Table& table) {
-  // The table as of this round: every worker's clock is the round's, whatever some already pushed
-  // for the next one (those pushes are made again after a restart).
-  auto state = table.snapshot();
-  state.insert_or_assign("pushes", c10::IValue(std::vector<int64_t>(num_workers(), table.applied)));
-  auto& snapshots = periodic_snapshots_[table.applied];
-  snapshots[table.name()] = state;
-  // Tables nobody pushes to (read-only) have no rounds: their current state is their state at any clock.
-  size_t expected = 0;
-  for (const auto& t : tables_) {
-    if (t->applied > 0 || !t->rounds.empty()) {
-      ++expected;
-    } else {
-      snapshots.emplace(t->name(), t->snapshot());
-    }
-  }
-  if (snapshots.size() >= tables_.size() && expected > 0) {
-    std::vector<c10::IValue> tables;
-    for (const auto& t : tables_) {
-      tables.push_back(snapshots.at(t->name()));
-    }
-    const int64_t clock = table.applied;
-    periodic_snapshots_.erase(periodic_snapshots_.begin(), periodic_snapshots_.upper_bound(clock));
-    write_checkpoint(tables, "at clock " + std::to_string(clock));
-  }
-}
-
-void Server::write_checkpoint(const std::vector<c10::IValue>& tables, const std::string& why) {
-  c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
-  state.insert("format", "torchpar.ps");
-  state.insert("version", kWireVersion);
-  state.insert("server", index_);
-  state.insert("servers", num_servers_);
-  state.insert("workers", num_workers());
-  state.insert("consistency", consistency_name(options_.consistency));
-  c10::impl::GenericList list(c10::AnyType::get());
-  for (const auto& table : tables) {
-    list.push_back(table);
-  }
-  state.insert("tables", list);
-  const auto path = checkpoint_path(options_.checkpoint_dir, index_, num_servers_);
-  write_checkpoint_file(path, state);
-  info("checkpoint " + why + " written to " + path);
-}
-
-void Server::restore_table(Table& table, const c10::impl::GenericDict& state) {
-  table.restore(state);
-  if (options_.consistency == Consistency::BSP) {
-    // BSP rounds need every worker at the table's round: a checkpoint of an ASP / SSP job resumes
-    // from its slowest worker's clock.
-    // (A BSP checkpoint's rounds applied win over a lost worker's lower clock.)
-    const int64_t slowest = std::max(table.applied, *std::min_element(table.pushes.begin(), table.pushes.end()));
-    table.applied = slowest;
-    std::fill(table.pushes.begin(), table.pushes.end(), slowest);
-  }
-}
-
-void Server::restore_checkpoint() {
-  const auto path = checkpoint_path(options_.checkpoint_dir, index_, num_servers_);
-  const auto saved = read_checkpoint_file(path);
-  if (!saved) {
-    return;
-  }
-  const auto state = saved->toGenericDict();
-  TORCH_CHECK(state.contains("format") && state.at("format").toStringRef() == "torchpar.ps",
-              "torchpar.ps: ", path, " is not a parameter-server checkpoint");
-  TORCH_CHECK(state.at("workers").toInt() == num_workers(), "torchpar.ps: checkpoint ", path, " was written for ",
-              state.at("workers").toInt(), " workers, this job has ", num_workers());
-  for (const auto& table : state.at("tables").toList()) {
-    auto entry = table.get().toGenericDict();
-    restored_.emplace(entry.at("name").toStringRef(), entry);
-  }
-  info("restoring " + std::to_string(restored_.size()) + " tables from " + path);
 }
 
 void Server::log_stats() {
@@ -744,12 +514,12 @@ void Server::log_stats() {
     }
     if (tables_.empty()) clock = 0;
     line << (w ? ", " : "");
-    if (states_[w] == WorkerState::Active) {
+    if (consistency_.state(w) == WorkerState::Active) {
       line << clock;
       fastest = std::max(fastest, clock);
       slowest = std::min(slowest, clock);
     } else {
-      line << (states_[w] == WorkerState::Finished ? "done" : "lost");
+      line << (consistency_.state(w) == WorkerState::Finished ? "done" : "lost");
     }
   }
   int64_t rows = 0;

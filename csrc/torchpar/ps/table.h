@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -50,6 +51,8 @@ class Table {
   c10::ScalarType dtype_;
   OptimizerConfig optimizer_;
 };
+
+using Tables = std::vector<std::unique_ptr<Table>>; // by table id
 
 c10::IValue optimizer_to_ivalue(const OptimizerConfig& config);
 OptimizerConfig optimizer_from_ivalue(const c10::IValue& value);
