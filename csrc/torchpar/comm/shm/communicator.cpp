@@ -8,7 +8,7 @@
 
 #include <c10/util/Exception.h>
 
-#include <torchpar/comm/process_state.h>
+#include <torchpar/common/process_state.h>
 #include <torchpar/comm/shm/progress.h>
 #include <torchpar/comm/shm/reduce_kernels.h>
 
@@ -86,7 +86,7 @@ Communicator::Communicator(
       controls_(reinterpret_cast<RankControl*>(segment_.data() + layout_.controls_offset())) {
   phase_ = mine().progress.load(std::memory_order_acquire);
   mine().pid = static_cast<int32_t>(::getpid());
-  mine().pid_namespace = comm::pid_namespace();
+  mine().pid_namespace = torchpar::pid_namespace();
 }
 
 void Communicator::start_op(OpDescriptor& descriptor, uint64_t stream_bytes) {
