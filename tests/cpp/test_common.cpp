@@ -1,0 +1,41 @@
+// torchpar/common/ alone, in-process: the helpers comm/ and every strategy share.
+#include "catch_with_torch.h"
+#include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+
+#include <torchpar/common/flat_buffers.h>
+
+TEST_CASE("flatten copies tensors of any shape into one buffer, in order", "[common]") {
+  const auto matrix = at::arange(6, at::kFloat).view({2, 3});
+  const auto transposed = at::arange(6, 10, at::kFloat).view({2, 2}).t();
+  const auto flat = torchpar::flatten({matrix, transposed});
+  REQUIRE(flat.sizes() == c10::IntArrayRef{10});
+  CHECK(at::equal(flat, at::tensor({0, 1, 2, 3, 4, 5, 6, 8, 7, 9}, at::kFloat)));
+}
+
+TEST_CASE("flatten of a single tensor is a copy, not a view", "[common]") {
+  const auto tensor = at::arange(4, at::kFloat);
+  auto flat = torchpar::flatten({tensor});
+  flat.add_(1);
+  CHECK(at::equal(tensor, at::arange(4, at::kFloat)));
+}
+
+TEST_CASE("unflatten_into writes each slice back into its own tensor's shape", "[common]") {
+  const auto matrix = at::zeros({2, 3}, at::kFloat);
+  const auto empty = at::zeros({0, 3}, at::kFloat);
+  const auto vector = at::zeros({2}, at::kFloat);
+  torchpar::unflatten_into(at::arange(8, at::kFloat), {matrix, empty, vector});
+  CHECK(at::equal(matrix, at::arange(6, at::kFloat).view({2, 3})));
+  CHECK(at::equal(vector, at::tensor({6, 7}, at::kFloat)));
+}
+
+TEST_CASE("unflatten_into after flatten restores the tensors", "[common]") {
+  const auto first = at::arange(6, at::kDouble).view({3, 2});
+  const auto second = at::arange(3, at::kDouble);
+  const auto flat = torchpar::flatten({first, second}).mul_(2);
+  torchpar::unflatten_into(flat, {first, second});
+  CHECK(at::equal(first, at::arange(0, 12, 2, at::kDouble).view({3, 2})));
+  CHECK(at::equal(second, at::arange(0, 6, 2, at::kDouble)));
+}
