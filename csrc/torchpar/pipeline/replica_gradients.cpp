@@ -1,7 +1,7 @@
 #include <torchpar/pipeline/replica_gradients.h>
 
+#include <torchpar/common/bucket_assignment.h>
 #include <torchpar/common/flat_buffers.h>
-#include <torchpar/ddp/bucket_assignment.h>
 
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
@@ -27,12 +27,12 @@ ReplicaGradients::ReplicaGradients(c10::intrusive_ptr<c10d::ProcessGroup> group,
     std::vector<at::Tensor> trained;
     std::copy_if(parameters.begin(), parameters.end(), std::back_inserter(trained),
                  [](const at::Tensor& parameter) { return parameter.requires_grad(); });
-    std::vector<ddp::BucketableParameter> sizes;
+    std::vector<BucketableParameter> sizes;
     for (const auto& parameter : trained) {
       sizes.push_back({static_cast<size_t>(parameter.numel() * parameter.element_size()), parameter.scalar_type()});
     }
     std::vector<Bucket> buckets;
-    for (const auto& members : ddp::assign_buckets(sizes, ddp::reverse_registration_order(trained.size()), {cap})) {
+    for (const auto& members : assign_buckets(sizes, reverse_registration_order(trained.size()), {cap})) {
       Bucket bucket;
       for (auto index : members) {
         bucket.parameters.push_back(trained[index]);
