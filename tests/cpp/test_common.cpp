@@ -6,6 +6,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <torchpar/common/flat_buffers.h>
+#include <torchpar/common/hash.h>
 
 TEST_CASE("flatten copies tensors of any shape into one buffer, in order", "[common]") {
   const auto matrix = at::arange(6, at::kFloat).view({2, 3});
@@ -38,4 +39,11 @@ TEST_CASE("unflatten_into after flatten restores the tensors", "[common]") {
   torchpar::unflatten_into(flat, {first, second});
   CHECK(at::equal(first, at::arange(0, 12, 2, at::kDouble).view({3, 2})));
   CHECK(at::equal(second, at::arange(0, 6, 2, at::kDouble)));
+}
+
+TEST_CASE("splitmix64 keeps its exact bits", "[common]") {
+  // 0 gives splitmix64's published first output; rows' servers and initial values depend on all three.
+  CHECK(torchpar::splitmix64(0) == 0xe220a8397b1dcdafULL);
+  CHECK(torchpar::splitmix64(1) == 0x910a2dec89025cc1ULL);
+  CHECK(torchpar::splitmix64(12345) == 0x22118258a9d111a0ULL);
 }
