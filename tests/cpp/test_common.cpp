@@ -4,7 +4,12 @@
 #include <ATen/ops/equal.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
 
+#include <stdexcept>
+#include <string>
+
+#include <torchpar/common/error_message.h>
 #include <torchpar/common/flat_buffers.h>
 #include <torchpar/common/hash.h>
 
@@ -46,4 +51,15 @@ TEST_CASE("splitmix64 keeps its exact bits", "[common]") {
   CHECK(torchpar::splitmix64(0) == 0xe220a8397b1dcdafULL);
   CHECK(torchpar::splitmix64(1) == 0x910a2dec89025cc1ULL);
   CHECK(torchpar::splitmix64(12345) == 0x22118258a9d111a0ULL);
+}
+
+TEST_CASE("message_of gives what an exception says, without c10's backtrace", "[common]") {
+  std::string c10_message;
+  try {
+    TORCH_CHECK(false, "shape [2, 3] on rank 1");
+  } catch (const std::exception& error) {
+    c10_message = torchpar::message_of(error);
+  }
+  CHECK(c10_message == "shape [2, 3] on rank 1");
+  CHECK(torchpar::message_of(std::runtime_error("store timed out")) == "store timed out");
 }

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <torchpar/common/control_collectives.h>
+#include <torchpar/common/error_message.h>
 #include <torchpar/common/host_id.h>
 #include <torchpar/common/process_state.h>
 
@@ -71,10 +72,8 @@ void PeerProcesses::rethrow_naming_lost() const {
   }
   try {
     throw;
-  } catch (const c10::Error& error) {
-    TORCH_CHECK(false, error.what_without_backtrace(), " [", lost, "]");
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, error.what(), " [", lost, "]");
+    TORCH_CHECK(false, message_of(error), " [", lost, "]");
   }
 }
 

@@ -8,9 +8,10 @@
 
 #include <c10/util/Exception.h>
 
-#include <torchpar/common/process_state.h>
 #include <torchpar/comm/shm/progress.h>
 #include <torchpar/comm/shm/reduce_kernels.h>
+#include <torchpar/common/error_message.h>
+#include <torchpar/common/process_state.h>
 
 namespace torchpar::comm::shm {
 namespace {
@@ -119,13 +120,10 @@ void Communicator::run(Rounds&& rounds) {
   mismatch_ = false;
   try {
     rounds();
-  } catch (const c10::Error& e) {
-    if (!mismatch_) {
-      failure_ = e.what_without_backtrace();
-    }
-    throw;
   } catch (const std::exception& e) {
-    failure_ = e.what();
+    if (!mismatch_) {
+      failure_ = message_of(e);
+    }
     throw;
   }
 }
