@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 namespace torchpar::testing {
 

@@ -16,7 +16,7 @@
 
 #include <sstream>
 
-#include <torchpar/ddp/bucket_assignment.h>
+#include <torchpar/common/bucket_assignment.h>
 #include <torch/cuda.h>
 #include <torchpar/ddp/comm_hooks.h>
 #include <torchpar/ddp/data_parallel.h>
@@ -25,8 +25,8 @@
 
 #include "harness.h"
 
-using torchpar::ddp::assign_buckets;
-using torchpar::ddp::BucketableParameter;
+using torchpar::assign_buckets;
+using torchpar::BucketableParameter;
 using torchpar::ddp::DistributedDataParallel;
 using torchpar::ddp::DistributedDataParallelOptions;
 using torchpar::testing::RankOptions;
@@ -87,7 +87,7 @@ RankOptions on(const std::string& backend) {
 TEST_CASE("buckets follow reverse registration order, with a small first bucket and one dtype each") {
   const std::vector<BucketableParameter> parameters{
       {400, at::kFloat}, {400, at::kFloat}, {100, at::kHalf}, {400, at::kFloat}, {400, at::kFloat}};
-  const auto order = torchpar::ddp::reverse_registration_order(parameters.size());
+  const auto order = torchpar::reverse_registration_order(parameters.size());
   CHECK(order == std::vector<size_t>{4, 3, 2, 1, 0});
   const auto buckets = assign_buckets(parameters, order, {/*first=*/400, /*then=*/800});
   // 4 fills the small first bucket; 3+1 reach 800; the half-precision parameter 2 has a bucket of its

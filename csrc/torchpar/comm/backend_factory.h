@@ -4,7 +4,7 @@
 #include <vector>
 
 #include <c10/core/DeviceType.h>
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 namespace torchpar::comm {
 

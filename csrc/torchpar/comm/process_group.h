@@ -7,7 +7,7 @@
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 #include <torchpar/comm/launch_error.h>
 
 namespace torchpar::comm {

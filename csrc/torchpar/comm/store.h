@@ -1,7 +1,7 @@
 #pragma once
 #include <chrono>
 
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 namespace torchpar::comm {
 

@@ -17,6 +17,7 @@
 
 #include <torchpar/common/atomic_file.h>
 #include <torchpar/common/control_collectives.h>
+#include <torchpar/common/error_message.h>
 
 namespace torchpar {
 namespace {
@@ -108,13 +109,6 @@ std::vector<int64_t> steps_on_disk(const std::string& directory) {
   }
   std::sort(steps.rbegin(), steps.rend());
   return steps;
-}
-
-std::string message_of(const std::exception& error) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) {
-    return c10_error->what_without_backtrace();
-  }
-  return error.what();
 }
 
 } // namespace

@@ -3,7 +3,7 @@
 // step, and rank 0 writes the step's MANIFEST once every rank's file is on disk. A step without its
 // manifest does not count, so a job killed mid-save resumes from the step before.
 #pragma once
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 #include <torchpar/common/peer_processes.h>
 
 #include <ATen/core/Tensor.h>

@@ -2,7 +2,7 @@
 // and replica check; checkpoints' agreement): on a given device (NCCL groups take no CPU tensors),
 // results back on the CPU for reading.
 #pragma once
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 #include <ATen/core/Tensor.h>
 

@@ -10,9 +10,10 @@
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
-#include <torchpar/comm/process_state.h>
-#include <torchpar/comm/shm/host_layout.h>
 #include <torchpar/common/control_collectives.h>
+#include <torchpar/common/error_message.h>
+#include <torchpar/common/host_id.h>
+#include <torchpar/common/process_state.h>
 
 namespace torchpar {
 namespace {
@@ -22,8 +23,8 @@ constexpr std::chrono::milliseconds kExitGrace{500};
 } // namespace
 
 PeerProcesses PeerProcesses::gather(c10d::ProcessGroup& group, c10::Device device) {
-  const auto host = static_cast<int64_t>(std::hash<std::string>{}(comm::shm::host_id()));
-  const auto namespace_id = static_cast<int64_t>(comm::pid_namespace());
+  const auto host = static_cast<int64_t>(std::hash<std::string>{}(host_id()));
+  const auto namespace_id = static_cast<int64_t>(pid_namespace());
   const auto mine = at::tensor({host, namespace_id, static_cast<int64_t>(::getpid())}, at::kLong);
   PeerProcesses result;
   for (const auto& theirs : all_gather(group, mine, device)) {
@@ -50,10 +51,10 @@ std::string PeerProcesses::lost_now() const {
     if (!peer.here || peer.pid == ::getpid()) {
       continue;
     }
-    const auto state = comm::process_state(static_cast<int>(peer.pid));
-    if (state != comm::ProcessState::Running) {
+    const auto state = process_state(static_cast<int>(peer.pid));
+    if (state != ProcessState::Running) {
       text << (text.tellp() > 0 ? "; " : "") << "rank " << rank << " (process " << peer.pid << ") "
-           << (state == comm::ProcessState::Exited ? "has exited" : "is stopped");
+           << (state == ProcessState::Exited ? "has exited" : "is stopped");
     }
   }
   return text.str();
@@ -71,10 +72,8 @@ void PeerProcesses::rethrow_naming_lost() const {
   }
   try {
     throw;
-  } catch (const c10::Error& error) {
-    TORCH_CHECK(false, error.what_without_backtrace(), " [", lost, "]");
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, error.what(), " [", lost, "]");
+    TORCH_CHECK(false, message_of(error), " [", lost, "]");
   }
 }
 

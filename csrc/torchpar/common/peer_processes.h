@@ -1,7 +1,7 @@
 // Which process is which rank, so that an error after a peer died or froze can say which rank it was:
 // Gloo's own message names only a connection ("Connection closed by peer [127.0.0.1]:4711").
 #pragma once
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 #include <c10/core/Device.h>
 

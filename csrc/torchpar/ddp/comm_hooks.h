@@ -1,7 +1,7 @@
 // Communication hooks: what DistributedDataParallel does with each full gradient bucket.
 // Each returns a future holding the bucket's reduced, averaged contents (torch's comm-hook contract).
 #pragma once
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 #include <ATen/core/ivalue.h>
 

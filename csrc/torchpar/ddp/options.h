@@ -2,7 +2,7 @@
 //   DistributedDataParallelOptions().bucket_cap_mb(25).find_unused_parameters(true)
 #pragma once
 #include <torch/arg.h>
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 #include <c10/util/intrusive_ptr.h>
 

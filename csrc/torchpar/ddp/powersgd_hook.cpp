@@ -1,12 +1,13 @@
 #include <torchpar/ddp/powersgd_hook.h>
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <torchpar/common/flat_buffers.h>
 
 namespace torchpar::ddp {
 namespace {
@@ -121,42 +122,27 @@ void PowerSGDHook::compress_and_reduce(size_t bucket_index, at::Tensor buffer, s
 
   // Round 1: the uncompressed tensors and P = M Q of every matrix.
   std::vector<at::Tensor> ps;
-  std::vector<at::Tensor> round_one;
-  for (const auto& tensor : uncompressed) {
-    round_one.push_back(tensor.reshape(-1));
-  }
   for (const auto i : c10::irange(matrices.size())) {
     ps.push_back(at::matmul(matrices[i], state.qs[i]));
-    round_one.push_back(ps.back().reshape(-1));
   }
+  std::vector<at::Tensor> round_one = uncompressed;
+  round_one.insert(round_one.end(), ps.begin(), ps.end());
   if (!round_one.empty()) {
-    auto reduced = all_reduce_sum(at::cat(round_one));
-    int64_t offset = 0;
+    unflatten_into(all_reduce_sum(flatten(round_one)), round_one);
     for (auto& tensor : uncompressed) {
-      tensor.copy_(reduced.narrow(0, offset, tensor.numel()).view_as(tensor).div(world));
-      offset += tensor.numel();
-    }
-    for (auto& p : ps) {
-      p.copy_(reduced.narrow(0, offset, p.numel()).view_as(p));
-      offset += p.numel();
+      tensor.div_(world);
     }
   }
 
   // Round 2: Q = M^T P with P orthogonalized; then M ~ P Q^T / world.
   if (!matrices.empty()) {
-    std::vector<at::Tensor> qs_flat;
     for (const auto i : c10::irange(matrices.size())) {
       orthogonalize(ps[i]);
       state.qs[i] = at::matmul(matrices[i].t(), ps[i]);
-      qs_flat.push_back(state.qs[i].reshape(-1));
     }
-    auto reduced = all_reduce_sum(at::cat(qs_flat)).div_(world);
-    int64_t offset = 0;
+    unflatten_into(all_reduce_sum(flatten(state.qs)).div_(world), state.qs);
     for (const auto i : c10::irange(matrices.size())) {
-      auto& q = state.qs[i];
-      q.copy_(reduced.narrow(0, offset, q.numel()).view_as(q));
-      offset += q.numel();
-      at::matmul_out(matrices[i], ps[i], q.t());
+      at::matmul_out(matrices[i], ps[i], state.qs[i].t());
     }
   }
 

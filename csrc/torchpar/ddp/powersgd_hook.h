@@ -2,7 +2,7 @@
 // gradient matrix M (n x m) is sent as two rank-r factors P (n x r) and Q (m x r), with error feedback
 // (what compression lost is added to the next iteration's gradient) and warm start (Q is reused).
 #pragma once
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>

@@ -1,6 +1,6 @@
 #include <torchpar/ddp/reducer.h>
 
-#include <torchpar/ddp/bucket_assignment.h>
+#include <torchpar/common/bucket_assignment.h>
 #include <torchpar/common/control_collectives.h>
 #include <torchpar/ddp/timeline.h>
 

@@ -3,7 +3,7 @@
 // communication overlaps the rest of backward; at the end of backward it waits for every bucket and
 // writes the averaged gradients back to the parameters (or leaves them as views of the buckets).
 #pragma once
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 #include <torchpar/common/peer_processes.h>
 
 #include <ATen/core/Tensor.h>

@@ -2,7 +2,7 @@
 //   PipelineOptions().process_group(group).schedule("1f1b").microbatches(8)
 #pragma once
 #include <torch/arg.h>
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>

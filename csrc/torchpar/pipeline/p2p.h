@@ -13,7 +13,7 @@
 // placeholders and sends the data again on a second channel, which the receiver posts once the
 // header told it the new shapes.
 #pragma once
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>

@@ -1,8 +1,8 @@
 #include <torchpar/pipeline/replica_gradients.h>
 
-#include <torchpar/ddp/bucket_assignment.h>
+#include <torchpar/common/bucket_assignment.h>
+#include <torchpar/common/flat_buffers.h>
 
-#include <ATen/ops/cat.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -12,25 +12,6 @@
 #include <iterator>
 
 namespace torchpar::pipeline {
-namespace {
-
-at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> views;
-  for (const auto& tensor : tensors) {
-    views.push_back(tensor.reshape({-1}));
-  }
-  return at::cat(views);
-}
-
-void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& targets) {
-  int64_t offset = 0;
-  for (const auto& target : targets) {
-    target.copy_(flat.narrow(0, offset, target.numel()).view_as(target));
-    offset += target.numel();
-  }
-}
-
-} // namespace
 
 ReplicaGradients::ReplicaGradients(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                    std::vector<std::vector<at::Tensor>> stage_parameters, double bucket_cap_mb)
@@ -46,12 +27,12 @@ ReplicaGradients::ReplicaGradients(c10::intrusive_ptr<c10d::ProcessGroup> group,
     std::vector<at::Tensor> trained;
     std::copy_if(parameters.begin(), parameters.end(), std::back_inserter(trained),
                  [](const at::Tensor& parameter) { return parameter.requires_grad(); });
-    std::vector<ddp::BucketableParameter> sizes;
+    std::vector<BucketableParameter> sizes;
     for (const auto& parameter : trained) {
       sizes.push_back({static_cast<size_t>(parameter.numel() * parameter.element_size()), parameter.scalar_type()});
     }
     std::vector<Bucket> buckets;
-    for (const auto& members : ddp::assign_buckets(sizes, ddp::reverse_registration_order(trained.size()), {cap})) {
+    for (const auto& members : assign_buckets(sizes, reverse_registration_order(trained.size()), {cap})) {
       Bucket bucket;
       for (auto index : members) {
         bucket.parameters.push_back(trained[index]);

@@ -2,7 +2,7 @@
 // data-parallel group. A stage's gradients are final once its last micro-batch's weight gradients
 // exist; its all-reduces start then, in flat buckets, while the rest of the pipeline drains.
 #pragma once
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>

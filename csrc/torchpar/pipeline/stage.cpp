@@ -1,5 +1,6 @@
 #include <torchpar/pipeline/stage.h>
 
+#include <torchpar/common/error_message.h>
 #include <torchpar/pipeline/p2p.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -82,11 +83,8 @@ class GeneratorStateGuard {
 
 // Without backtraces: a C++ one from c10, or the "At:" Python stack pybind11 appends to errors
 // raised by Python layers (the stage, micro-batch and layer are named instead).
-std::string message_of(const std::exception& error) {
-  if (auto c10_error = dynamic_cast<const c10::Error*>(&error)) {
-    return c10_error->what_without_backtrace();
-  }
-  std::string message = error.what();
+std::string bare_message(const std::exception& error) {
+  std::string message = message_of(error);
   const auto python_stack = message.find("\n\nAt:\n");
   return python_stack == std::string::npos ? message : message.substr(0, python_stack);
 }
@@ -133,7 +131,7 @@ Tensors PipelineStage::call_layer(size_t layer, const Tensors& inputs, int micro
     try {
       return layers_[layer].forward(modifies_inputs_[layer] ? copies(inputs) : inputs);
     } catch (const std::exception& error) {
-      const auto message = message_of(error);
+      const auto message = bare_message(error);
       if (attempt == 0 && !modifies_inputs_[layer] &&
           message.find("leaf Variable that requires grad is being used in an in-place operation") != std::string::npos) {
         modifies_inputs_[layer] = true;
@@ -181,7 +179,7 @@ void PipelineStage::run(int microbatch, InFlight& state) {
   } catch (const std::exception& error) {
     TORCH_CHECK(false, where(microbatch), ": the loss failed on outputs ", pipeline::describe(metas_of(current)),
                 " and target ", state.target.defined() ? pipeline::describe(metas_of({state.target})) : "(none)",
-                ": ", message_of(error));
+                ": ", bare_message(error));
   }
   TORCH_CHECK(loss.defined() && loss.numel() == 1, where(microbatch), ": the loss must be one number, got ",
               loss.defined() ? pipeline::describe(metas_of({loss})) : "nothing");
@@ -258,7 +256,7 @@ Tensors PipelineStage::backward(int microbatch, const Tensors& output_gradients)
       result.push_back(takes_gradient(input) ? input.grad() : at::Tensor());
     }
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, where(microbatch), ": backward failed: ", message_of(error));
+    TORCH_CHECK(false, where(microbatch), ": backward failed: ", bare_message(error));
   }
   in_flight_.erase(microbatch);
   return result;
@@ -281,7 +279,7 @@ Tensors PipelineStage::backward_input(int microbatch, const Tensors& output_grad
     }
     return gradients;
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, where(microbatch), ": backward (input gradients) failed: ", message_of(error));
+    TORCH_CHECK(false, where(microbatch), ": backward (input gradients) failed: ", bare_message(error));
   }
 }
 
@@ -304,7 +302,7 @@ void PipelineStage::backward_weight(int microbatch) {
       }
     }
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, where(microbatch), ": backward (weight gradients) failed: ", message_of(error));
+    TORCH_CHECK(false, where(microbatch), ": backward (weight gradients) failed: ", bare_message(error));
   }
   in_flight_.erase(found);
 }

@@ -1,5 +1,6 @@
 #include <torchpar/ps/client.h>
 
+#include <torchpar/common/hash.h>
 #include <torchpar/ps/messages.h>
 
 #include <ATen/ops/empty.h>
@@ -14,13 +15,6 @@
 
 namespace torchpar::ps {
 namespace {
-
-uint64_t mix(uint64_t x) { // splitmix64's finaliser: skewed ids still spread over the servers
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // Completes `future` once every part has answered; the first error fails it.
 struct Gather {
@@ -82,7 +76,8 @@ const uint8_t* bytes_of(const at::Tensor& tensor) { return static_cast<const uin
 } // namespace
 
 int row_owner(int64_t id, int num_servers) {
-  return static_cast<int>(mix(static_cast<uint64_t>(id)) % static_cast<uint64_t>(num_servers));
+  // Mixed, not id % num_servers: skewed ids (all even, say) still spread over the servers.
+  return static_cast<int>(splitmix64(static_cast<uint64_t>(id)) % static_cast<uint64_t>(num_servers));
 }
 
 Client::Client(c10::intrusive_ptr<c10d::ProcessGroup> group, int worker_index, std::vector<int> server_ranks,

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <random>
 
+#include <torchpar/common/hash.h>
+
 namespace torchpar::ps {
 namespace {
 
@@ -15,13 +17,6 @@ namespace {
 // of a very wide table must not cost a thousand (4 GiB at the widest rows a registration allows).
 constexpr int64_t kInitialCapacity = 1024;
 constexpr int64_t kInitialBytes = int64_t{1} << 20;
-
-uint64_t mix(uint64_t x) { // splitmix64's finaliser
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 at::Tensor grown(const at::Tensor& tensor, int64_t capacity) {
   if (!tensor.defined()) {
@@ -46,7 +41,7 @@ at::Tensor initial_rows(const RowInitializer& initializer, const at::Tensor& ids
 }
 
 void initialize_row(const RowInitializer& initializer, int64_t id, double* out, int64_t dim) {
-  std::mt19937_64 generator(mix(initializer.seed ^ mix(static_cast<uint64_t>(id))));
+  std::mt19937_64 generator(splitmix64(initializer.seed ^ splitmix64(static_cast<uint64_t>(id))));
   switch (initializer.kind) {
     case RowInitializer::Kind::Zeros:
       std::fill(out, out + dim, 0.0);

@@ -8,9 +8,10 @@
 
 #include <c10/util/Exception.h>
 
-#include <torchpar/comm/process_state.h>
 #include <torchpar/comm/shm/progress.h>
 #include <torchpar/comm/shm/reduce_kernels.h>
+#include <torchpar/common/error_message.h>
+#include <torchpar/common/process_state.h>
 
 namespace torchpar::comm::shm {
 namespace {
@@ -86,7 +87,7 @@ Communicator::Communicator(
       controls_(reinterpret_cast<RankControl*>(segment_.data() + layout_.controls_offset())) {
   phase_ = mine().progress.load(std::memory_order_acquire);
   mine().pid = static_cast<int32_t>(::getpid());
-  mine().pid_namespace = comm::pid_namespace();
+  mine().pid_namespace = torchpar::pid_namespace();
 }
 
 void Communicator::start_op(OpDescriptor& descriptor, uint64_t stream_bytes) {
@@ -119,13 +120,10 @@ void Communicator::run(Rounds&& rounds) {
   mismatch_ = false;
   try {
     rounds();
-  } catch (const c10::Error& e) {
-    if (!mismatch_) {
-      failure_ = e.what_without_backtrace();
-    }
-    throw;
   } catch (const std::exception& e) {
-    failure_ = e.what();
+    if (!mismatch_) {
+      failure_ = message_of(e);
+    }
     throw;
   }
 }

@@ -1,28 +1,17 @@
 #include <torchpar/comm/shm/host_layout.h>
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 
-#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <torchpar/common/host_id.h>
 
 namespace torchpar::comm::shm {
 
 int HostLayout::local_index_of(int global_rank) const {
   const auto& ranks = ranks_on_host[host_of_rank[global_rank]];
   return static_cast<int>(std::find(ranks.begin(), ranks.end(), global_rank) - ranks.begin());
-}
-
-std::string host_id() {
-  if (const char* configured = std::getenv("TORCHPAR_HOST_ID")) {
-    return configured;
-  }
-  char name[256] = {};
-  TORCH_CHECK(::gethostname(name, sizeof(name) - 1) == 0, "shm backend: gethostname failed");
-  return name;
 }
 
 HostLayout discover_hosts(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size) {

@@ -1,8 +1,7 @@
 #pragma once
-#include <string>
 #include <vector>
 
-#include <torchpar/comm/c10d_fwd.h>
+#include <torchpar/common/c10d_fwd.h>
 
 namespace torchpar::comm::shm {
 
@@ -27,10 +26,6 @@ struct HostLayout {
     return local_ranks().front() == rank;
   }
 };
-
-// This machine's identity: TORCHPAR_HOST_ID when set (tests simulate several hosts on one
-// machine with it), else the hostname.
-std::string host_id();
 
 // Every rank publishes its host id through the store and reads everyone else's.
 HostLayout discover_hosts(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);

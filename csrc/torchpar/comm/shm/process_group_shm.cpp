@@ -9,7 +9,6 @@
 #include <sstream>
 #include <thread>
 
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
@@ -17,6 +16,7 @@
 
 #include <torchpar/comm/gloo_backend.h>
 #include <torchpar/comm/shm/reduce_kernels.h>
+#include <torchpar/common/flat_buffers.h>
 
 namespace torchpar::comm::shm {
 namespace {
@@ -110,15 +110,6 @@ struct Landing {
   at::Tensor user;
   at::Tensor buffer;
 };
-
-at::Tensor flat_concatenation(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> flat;
-  flat.reserve(tensors.size());
-  for (const auto& tensor : tensors) {
-    flat.push_back(tensor.reshape({-1}));
-  }
-  return at::cat(flat);
-}
 
 uint64_t bytes_of(const at::Tensor& tensor) {
   return static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
@@ -407,13 +398,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(
   }
   check_reducible(tensors[0].scalar_type(), op, "allreduce_coalesced");
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors, total_bytes(tensors), [this, tensors, op] {
-    at::Tensor flat = flat_concatenation(tensors);
+    at::Tensor flat = flatten(tensors);
     allreduce_buffer(flat, op);
-    int64_t offset = 0;
-    for (const auto& tensor : tensors) {
-      tensor.copy_(flat.narrow(0, offset, tensor.numel()).view(tensor.sizes()));
-      offset += tensor.numel();
-    }
+    unflatten_into(flat, tensors);
   });
 }
 
@@ -491,9 +478,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(
   return enqueue(c10d::OpType::ALLGATHER, outputs[0], size_ * bytes_of(input), [this, input, outputs = outputs[0]] {
     at::Tensor gathered = at::empty({size_ * input.numel()}, input.options());
     all_gather_into(gathered, input);
-    for (int rank = 0; rank < size_; ++rank) {
-      outputs[rank].copy_(gathered.narrow(0, rank * input.numel(), input.numel()).view(outputs[rank].sizes()));
-    }
+    unflatten_into(gathered, outputs);
   });
 }
 
@@ -623,7 +608,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(
     for (const auto& input : inputs[0]) {
       check_same(input, output, "scatter", "input tensor");
     }
-    stream = flat_concatenation(inputs[0]);
+    stream = flatten(inputs[0]);
   } else {
     TORCH_CHECK(inputs.empty() || inputs[0].empty(), "shm backend: scatter takes input tensors on the root only");
   }
@@ -657,7 +642,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(
     check_same(input, output, "reduce_scatter", "input tensor");
   }
   return enqueue(c10d::OpType::REDUCE_SCATTER, outputs, size_ * bytes_of(output), [this, output, inputs = inputs[0], op] {
-    const at::Tensor flat = flat_concatenation(inputs);
+    const at::Tensor flat = flatten(inputs);
     Landing landing(output);
     communicator_.reduce(descriptor(OpKind::ReduceScatter, flat, bytes_of(flat), -1, op), flat, landing.buffer,
                          ReduceMode::Scatter, op);
@@ -811,18 +796,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(
     outs.push_back(outputs[rank].numel());
   }
   return enqueue(c10d::OpType::ALLTOALL, outputs, total_bytes(inputs), [this, outputs, inputs, ins, outs] {
-    const at::Tensor flat_in = flat_concatenation(inputs);
+    const at::Tensor flat_in = flatten(inputs);
     int64_t total = 0;
     for (int64_t n : outs) {
       total += n;
     }
     at::Tensor flat_out = at::empty({total}, flat_in.options());
     exchange_all_to_all(flat_out, flat_in, outs, ins, static_cast<int64_t>(flat_in.element_size()));
-    int64_t offset = 0;
-    for (int rank = 0; rank < size_; ++rank) {
-      outputs[rank].copy_(flat_out.narrow(0, offset, outs[rank]).view(outputs[rank].sizes()));
-      offset += outs[rank];
-    }
+    unflatten_into(flat_out, outputs);
   });
 }
 

@@ -15,7 +15,7 @@
 
 #include <c10/util/Exception.h>
 
-#include <torchpar/comm/process_state.h>
+#include <torchpar/common/process_state.h>
 
 namespace torchpar::comm::shm {
 namespace {

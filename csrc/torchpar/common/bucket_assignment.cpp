@@ -1,4 +1,4 @@
-#include <torchpar/ddp/bucket_assignment.h>
+#include <torchpar/common/bucket_assignment.h>
 
 #include <c10/util/Exception.h>
 
@@ -6,7 +6,7 @@
 #include <map>
 #include <numeric>
 
-namespace torchpar::ddp {
+namespace torchpar {
 
 std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<BucketableParameter>& parameters,
@@ -64,4 +64,4 @@ std::vector<size_t> reverse_registration_order(size_t count) {
   return order;
 }
 
-} // namespace torchpar::ddp
+} // namespace torchpar

@@ -2,7 +2,7 @@
 #pragma once
 #include <cstdint>
 
-namespace torchpar::comm {
+namespace torchpar {
 
 enum class ProcessState {
   Running,  // or sleeping: it may still take part
@@ -15,4 +15,4 @@ ProcessState process_state(int pid);
 // This process's PID namespace, to tell whether another process's pid means anything here.
 uint64_t pid_namespace();
 
-} // namespace torchpar::comm
+} // namespace torchpar

@@ -1,4 +1,4 @@
-#include <torchpar/comm/process_state.h>
+#include <torchpar/common/process_state.h>
 
 #include <signal.h>
 #include <sys/stat.h>
@@ -7,7 +7,7 @@
 #include <fstream>
 #include <string>
 
-namespace torchpar::comm {
+namespace torchpar {
 
 ProcessState process_state(int pid) {
   if (::kill(pid, 0) != 0 && errno == ESRCH) {
@@ -35,4 +35,4 @@ uint64_t pid_namespace() {
   return ours;
 }
 
-} // namespace torchpar::comm
+} // namespace torchpar

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace torchpar::ddp {
+namespace torchpar {
 
 struct BucketableParameter {
   size_t bytes = 0;
@@ -26,4 +26,4 @@ std::vector<std::vector<size_t>> assign_buckets(
 // Reverse registration order: gradients of the last layers are produced first in backward.
 std::vector<size_t> reverse_registration_order(size_t count);
 
-} // namespace torchpar::ddp
+} // namespace torchpar
