@@ -2,6 +2,7 @@
 package from any directory, and a regular (non-editable) wheel that carries its libtorchpar."""
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -18,11 +19,25 @@ def run(*command, **kwargs):
     return result
 
 
+def public_headers() -> set[str]:
+    """torchpar/torchpar.h and every torchpar header it includes, transitively."""
+    found, pending = set(), ["torchpar/torchpar.h"]
+    while pending:
+        header = pending.pop()
+        if header not in found:
+            found.add(header)
+            pending += re.findall(r"^#include <(torchpar/[^>]+)>", (ROOT / "csrc" / header).read_text(), re.M)
+    return found
+
+
 def test_outside_cmake_project_builds_against_the_installed_package(build_dir, tmp_path):
     prefix = tmp_path / "prefix"
     run("cmake", "--install", build_dir, "--prefix", prefix)
     assert (prefix / "lib" / "cmake" / "torchpar" / "torchparConfig.cmake").exists()
     assert (prefix / "include" / "torchpar" / "torchpar.h").exists()
+    installed = {str(p.relative_to(prefix / "include")) for p in (prefix / "include").rglob("*.h")}
+    assert installed == public_headers(), "the installed headers are not the umbrella header's closure"
+    assert "torchpar/comm/shm/communicator.h" not in installed  # an internal class stays internal
 
     outside = tmp_path / "outside"
     run("cmake", "-S", ROOT / "examples" / "cpp", "-B", outside, "-G", "Ninja", f"-DCMAKE_PREFIX_PATH={prefix}",
