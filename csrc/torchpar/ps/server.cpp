@@ -1,5 +1,7 @@
 #include <torchpar/ps/server.h>
 
+#include <torchpar/common/error_message.h>
+
 #include <torchpar/ps/channel.h>
 #include <torchpar/ps/consistency.h>
 #include <torchpar/ps/dense_table.h>
@@ -23,13 +25,6 @@ namespace torchpar::ps {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string reason_of(const std::exception& error) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) {
-    return c10_error->what_without_backtrace();
-  }
-  return error.what();
-}
 
 ServerOptions with_default_log(ServerOptions options) {
   if (!options.log) {
@@ -196,7 +191,7 @@ ServerSummary Server::run() {
     try {
       checkpoint_.write(tables_, "at the end");
     } catch (const std::exception& error) {
-      warn(std::string("the final checkpoint failed: ") + reason_of(error));
+      warn(std::string("the final checkpoint failed: ") + message_of(error));
     }
   }
   log_stats();
@@ -243,7 +238,7 @@ void Server::handle_message(int worker, Message&& message) {
     reply_error(worker, frame.request_id,
                 std::string("torchpar.ps server ") + std::to_string(index_) + " refused " + kind_name(frame.kind) +
                     " request " + std::to_string(frame.request_id) + " of " + who(worker) + ": " +
-                    reason_of(error));
+                    message_of(error));
     return;
   }
   progress();
@@ -255,7 +250,7 @@ void Server::progress() {
   try {
     advance();
   } catch (const std::exception& error) {
-    warn(std::string("applying updates or writing a checkpoint failed: ") + reason_of(error));
+    warn(std::string("applying updates or writing a checkpoint failed: ") + message_of(error));
   }
 }
 
@@ -373,7 +368,7 @@ void Server::finish_checkpoint_requests() {
   try {
     checkpoint_.write(tables_, "on request");
   } catch (const std::exception& error) {
-    failure = reason_of(error);
+    failure = message_of(error);
   }
   for (int w = 0; w < num_workers(); ++w) {
     if (checkpoint_requests_[w] >= 0) {
@@ -460,7 +455,7 @@ void Server::register_dense(int worker, int64_t id, const DenseRegistration& reg
         check_registration(*tables_[table_ids_.at(registration.name)], waiter.registration);
         answer_registration(waiter.worker, waiter.id, registration.name);
       } catch (const std::exception& error) {
-        reply_error(waiter.worker, waiter.id, "torchpar.ps server " + std::to_string(index_) + ": " + reason_of(error));
+        reply_error(waiter.worker, waiter.id, "torchpar.ps server " + std::to_string(index_) + ": " + message_of(error));
       }
     }
   }
