@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import threading
 from typing import Optional, Union
 
 import torch
@@ -147,90 +146,40 @@ class RemoteParameters:
     backward has accumulated every gradient of the bucket — so communication overlaps the rest of
     backward, and a bucket is one message per server. ``step()`` waits for the values and writes them
     into the parameters. Worker 0's values start the tables, or the servers' checkpoint after a
-    restart; every worker's module starts from the servers' values.
+    restart; every worker's module starts from the servers' values. Parameters that do not require
+    grad stay local. The engine is C++'s ``torchpar::ps::RemoteParameters``.
     """
 
     def __init__(self, module: nn.Module, client: Client, optimizer: _engine.OptimizerConfig, prefix: str = "",
                  bucket_cap_mb: float = 25.0):
-        self._client = client
-        self._parameters = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        self._tables = [client.dense_table(prefix + name, p.detach(), optimizer) for name, p in self._parameters]
-        self._buckets: list[list[int]] = []
-        bucket, bucket_bytes = [], 0
-        for index in reversed(range(len(self._parameters))):
-            parameter = self._parameters[index][1]
-            bucket.append(index)
-            bucket_bytes += parameter.numel() * parameter.element_size()
-            if bucket_bytes >= bucket_cap_mb * 2**20:
-                self._buckets.append(bucket)
-                bucket, bucket_bytes = [], 0
-        if bucket:
-            self._buckets.append(bucket)
-        self._bucket_of = {index: b for b, bucket in enumerate(self._buckets) for index in bucket}
-        self._ready: dict[int, torch.Tensor] = {}
-        self._in_flight: dict[int, torch.futures.Future] = {}
-        self._lock = threading.Lock()  # hooks may run on several autograd threads (one per device)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in
-                       enumerate(self._parameters)]
-        self.pull()
-
-    def _hook(self, index: int):
-        def gradient_ready(parameter: torch.Tensor) -> None:
-            with self._lock:
-                if index in self._ready:
-                    raise RuntimeError(f"RemoteParameters: parameter '{self._parameters[index][0]}' got a second "
-                                       "gradient before step(); call step() after each backward")
-                self._ready[index] = parameter.grad
-                bucket = self._bucket_of[index]
-                if bucket not in self._in_flight and all(i in self._ready for i in self._buckets[bucket]):
-                    self._launch(bucket)
-        return gradient_ready
-
-    def _launch(self, bucket: int) -> None:
-        indices = self._buckets[bucket]
-        grads = [self._ready.get(i) for i in indices]
-        # A parameter without a gradient pushes zeros: every table ticks every clock.
-        grads = [g if g is not None else torch.zeros_like(self._parameters[i][1]) for g, i in zip(grads, indices)]
-        self._in_flight[bucket] = self._client.push_pull([self._tables[i] for i in indices], grads)
+        named = list(module.named_parameters())
+        self._engine = _engine.RemoteParameters(client, [name for name, _ in named], [p for _, p in named],
+                                                optimizer, prefix, int(bucket_cap_mb * 2**20))
 
     @property
     def clock(self) -> int:
         """Steps taken (counted from the servers' checkpoint after a restore)."""
-        return min(self._client.clock(t) for t in self._tables) if self._tables else 0
+        return self._engine.clock
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """The parameters' names, bucket by bucket, in the order backward pushes them."""
+        return self._engine.buckets
 
     def step(self) -> None:
         """Sends what backward has not, waits for the servers' new values and writes them into the module."""
-        for bucket in range(len(self._buckets)):
-            if bucket not in self._in_flight:
-                for index in self._buckets[bucket]:
-                    if index not in self._ready:
-                        self._ready[index] = self._parameters[index][1].grad
-                self._launch(bucket)
-        in_flight, self._in_flight = self._in_flight, {}
-        self._ready.clear()
-        with torch.no_grad():
-            for bucket, future in sorted(in_flight.items()):
-                for index, value in zip(self._buckets[bucket], future.wait()):
-                    _, parameter = self._parameters[index]
-                    parameter.copy_(value)
-                    parameter.grad = None
+        self._engine.step()
 
     def pull(self) -> None:
         """Copies the servers' current values into the parameters."""
-        values = self._client.pull(self._tables).wait()
-        with torch.no_grad():
-            for (_, parameter), value in zip(self._parameters, values):
-                parameter.copy_(value)
+        self._engine.pull()
 
     def set_learning_rate(self, lr: float) -> None:
-        for table in self._tables:
-            self._client.set_learning_rate(table, lr)
+        self._engine.set_learning_rate(lr)
 
     def remove(self) -> None:
-        """Stops pushing from backward (removes the gradient hooks)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Stops pushing from backward (removes the gradient hooks); ``step()`` then pushes everything."""
+        self._engine.remove_hooks()
 
 
 class Embedding(nn.Module):
@@ -239,6 +188,7 @@ class Embedding(nn.Module):
     forward pulls the batch's rows (each distinct id once); backward pushes their gradients, duplicates
     summed; the servers' row-wise optimizer updates them. Rows are created on first touch by
     ``initializer``, so the servers hold only rows some batch used, however large ``num_rows`` is.
+    The engine is C++'s ``torchpar::ps::Embedding``.
     """
 
     def __init__(self, client: Client, name: str, num_rows: int, dim: int,
@@ -247,27 +197,16 @@ class Embedding(nn.Module):
         super().__init__()
         self._client = client
         self.num_rows, self.dim = num_rows, dim
-        self.table = client.sparse_table(name, num_rows, dim, optimizer or Adagrad(0.1),
+        self._engine = _engine.Embedding(client, name, num_rows, dim, optimizer or Adagrad(0.1),
                                          initializer or zeros(), dtype)
-        self._pushes: list[torch.futures.Future] = []
+        self.table = self._engine.table
 
     def flush(self) -> None:
-        """Waits for the pushes of the backwards so far; the first error, if any, is raised here."""
-        pushes, self._pushes = self._pushes, []
-        for push in pushes:
-            push.wait()
-
-    def _push(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        self._pushes.append(self._client.push_rows([self.table], [ids], [grad]))
+        """Waits for every push of the backwards so far; the first failed one's error is raised here."""
+        self._engine.flush()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        self.flush()
-        rows = self._client.pull_rows([self.table], [ids]).wait()[0]
-        if self.training and torch.is_grad_enabled():
-            rows.requires_grad_()
-            batch_ids = ids.detach().cpu()
-            rows.register_hook(lambda grad: self._push(batch_ids, grad))
-        return rows
+        return self._engine.forward(ids, self.training)
 
     def extra_repr(self) -> str:
         return f"{self.num_rows}, {self.dim}, table={self._client.table_name(self.table)!r}"

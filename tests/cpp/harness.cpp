@@ -77,6 +77,9 @@ std::string describe_exit(int status) {
   return "ended with status " + std::to_string(status);
 }
 
+// This rank's store, for leave_abruptly(); set in the child only.
+c10d::Store* rank_store = nullptr;
+
 // The child side: join the group, run the body, leave through _exit so that nothing of the
 // parent's state (Catch2 session, static destructors) runs twice.
 [[noreturn]] void run_rank(
@@ -101,6 +104,7 @@ std::string describe_exit(int status) {
       store_options.masterListenFd = listen_fd;
     }
     auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_options);
+    rank_store = store.get();
     auto pg = torchpar::init_process_group(torchpar::InitOptions()
                                                .backend(options.backend)
                                                .timeout(options.collective_timeout)
@@ -214,6 +218,13 @@ std::vector<RankOutcome> launch_ranks(int world, const RankBody& body, const Ran
     ::unlink(logs[rank].c_str());
   }
   return outcomes;
+}
+
+void leave_abruptly() {
+  TORCH_CHECK(rank_store, "leave_abruptly() is for a rank's body, under run_on_ranks");
+  rank_store->add("harness/finished", 1);
+  std::fflush(nullptr);
+  ::_exit(0);
 }
 
 void run_on_ranks(int world, const RankBody& body, const RankOptions& options) {

@@ -37,6 +37,10 @@ std::vector<RankOutcome> launch_ranks(int world, const RankBody& body, const Ran
 // launch_ranks, then fails the current Catch2 test with every failed rank's message.
 void run_on_ranks(int world, const RankBody& body, const RankOptions& options = {});
 
+// Ends this rank at once, as a crash would (no destructors: its connections just close), yet counted
+// as passed: for tests of how the other ranks see a peer die.
+[[noreturn]] void leave_abruptly();
+
 // Assertions that failed in this process so far (counted by a Catch2 listener in main.cpp).
 int failed_assertions();
 

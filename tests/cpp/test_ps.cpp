@@ -5,6 +5,9 @@
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/relu.h>
 #include <ATen/ops/randint.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
@@ -84,6 +87,44 @@ TEST_CASE("LibTorch modules trained through the servers under BSP equal single-p
     CHECK(at::allclose(head->weight.detach(), reference_head->weight.detach(), 1e-5, 1e-5));
     CHECK(at::allclose(head->bias.detach(), reference_head->bias.detach(), 1e-5, 1e-5));
     CHECK_FALSE(at::allclose(rows, start_rows)); // it did train
+    service.finish();
+  });
+}
+
+TEST_CASE("RemoteParameters pushes each bucket during backward, before step(), and keeps frozen parameters local") {
+  run_on_ranks(2, [&](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    ps::ParameterService service(pg, ps::ServiceOptions().num_servers(1).timeout(std::chrono::seconds(30)));
+    if (service.is_server()) {
+      service.serve();
+      return;
+    }
+    torch::manual_seed(3);
+    torch::nn::Linear first(4, 8);
+    torch::nn::Linear second(8, 2);
+    second->bias.requires_grad_(false);
+    torch::OrderedDict<std::string, at::Tensor> named;
+    for (const auto& item : first->named_parameters()) named.insert("first." + item.key(), item.value());
+    for (const auto& item : second->named_parameters()) named.insert("second." + item.key(), item.value());
+    // A cap of one byte: every parameter is its own bucket, pushed the moment its gradient is final.
+    ps::RemoteParameters parameters(service.client(), named, ps::OptimizerConfig::sgd(0.1), "", 1);
+    CHECK(parameters.buckets() == std::vector<std::vector<std::string>>{
+                                      {"second.weight"}, {"first.bias"}, {"first.weight"}});
+    const auto frozen_bias = second->bias.detach().clone();
+    const auto x = at::ones({5, 4});
+    for (int step = 1; step <= 2; ++step) {
+      second->forward(at::relu(first->forward(x))).sum().backward();
+      CHECK(parameters.clock() == step);  // every table was pushed by backward itself
+      parameters.step();
+      CHECK(parameters.clock() == step);
+      CHECK_FALSE(first->weight.grad().defined());
+    }
+    CHECK(at::equal(second->bias.detach(), frozen_bias));
+
+    parameters.remove_hooks();
+    second->forward(at::relu(first->forward(x))).sum().backward();
+    CHECK(parameters.clock() == 2);  // without hooks nothing goes out before step()
+    parameters.step();
+    CHECK(parameters.clock() == 3);
     service.finish();
   });
 }

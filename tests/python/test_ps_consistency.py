@@ -74,6 +74,8 @@ def bsp_worker(service, workers):
         for name, model, params in [("plain", plain, plain_params), ("momentum", momentum, momentum_params)]:
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
+            # Backward itself pushed every bucket (the overlap); step() only waits for the values.
+            assert params.clock == step + 1, (name, params.clock, step)
             params.step()
             losses[name].append(loss.item())
         loss = nn.functional.mse_loss(sparse_forward(embedding, embedding2, linear, ids, ids2), target)

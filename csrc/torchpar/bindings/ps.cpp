@@ -1,6 +1,8 @@
 // torchpar._C.ps: the parameter service (roles, client, server loop) under python/torchpar/ps.py.
 #include <torchpar/bindings/bindings.h>
 
+#include <torchpar/ps/embedding.h>
+#include <torchpar/ps/remote_parameters.h>
 #include <torchpar/ps/service.h>
 #include <torchpar/ps/sparse_table.h>
 
@@ -115,6 +117,49 @@ void bind_ps(py::module_& module) {
            py::arg("server"), py::arg("kind"), py::arg("payload"), Release())
       .def_property_readonly("num_servers", &ps::Client::num_servers)
       .def_property_readonly("worker_index", &ps::Client::worker_index);
+
+  // Both keep their client's Python object (and so the service) alive: keep_alive<1, 2>.
+  py::class_<ps::RemoteParameters>(m, "RemoteParameters")
+      .def(py::init([](ps::Client& client, const std::vector<std::string>& names,
+                       const std::vector<at::Tensor>& parameters, const ps::OptimizerConfig& optimizer,
+                       const std::string& prefix, size_t bucket_cap_bytes) {
+             TORCH_CHECK(names.size() == parameters.size(), "RemoteParameters: ", names.size(), " names for ",
+                         parameters.size(), " parameters");
+             torch::OrderedDict<std::string, at::Tensor> named_parameters;
+             for (size_t i = 0; i < names.size(); ++i) {
+               named_parameters.insert(names[i], parameters[i]);
+             }
+             py::gil_scoped_release release;
+             return std::make_unique<ps::RemoteParameters>(client, named_parameters, optimizer, prefix,
+                                                           bucket_cap_bytes);
+           }),
+           py::keep_alive<1, 2>(), py::arg("client"), py::arg("names"), py::arg("parameters"), py::arg("optimizer"),
+           py::arg("prefix"), py::arg("bucket_cap_bytes"))
+      .def("step", &ps::RemoteParameters::step, Release())
+      .def("pull", &ps::RemoteParameters::pull, Release())
+      .def("set_learning_rate", &ps::RemoteParameters::set_learning_rate, py::arg("lr"), Release())
+      .def_property_readonly("clock", &ps::RemoteParameters::clock)
+      .def_property_readonly("buckets", &ps::RemoteParameters::buckets)
+      .def("remove_hooks", &ps::RemoteParameters::remove_hooks, Release());
+
+  py::class_<ps::EmbeddingImpl, std::shared_ptr<ps::EmbeddingImpl>>(m, "Embedding")
+      .def(py::init([](ps::Client& client, const std::string& name, int64_t num_rows, int64_t dim,
+                       const ps::OptimizerConfig& optimizer, const ps::RowInitializer& initializer,
+                       c10::ScalarType dtype) {
+             py::gil_scoped_release release;
+             return std::make_shared<ps::EmbeddingImpl>(client, name, num_rows, dim, optimizer, initializer, dtype);
+           }),
+           py::keep_alive<1, 2>(), py::arg("client"), py::arg("name"), py::arg("num_rows"), py::arg("dim"),
+           py::arg("optimizer"), py::arg("initializer"), py::arg("dtype"))
+      .def("forward",
+           [](ps::EmbeddingImpl& self, const at::Tensor& ids, bool training) {
+             self.train(training);
+             py::gil_scoped_release release;
+             return self.forward(ids);
+           },
+           py::arg("ids"), py::arg("training"))
+      .def("flush", &ps::EmbeddingImpl::flush, Release())
+      .def_property_readonly("table", &ps::EmbeddingImpl::table);
 
   py::class_<ps::ParameterService, ServiceHolder>(m, "ParameterService")
       .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& world, int num_servers,

@@ -2,6 +2,8 @@
 
 #include <torchpar/common/bucket_assignment.h>
 #include <torchpar/common/control_collectives.h>
+#include <torchpar/common/error_message.h>
+#include <torchpar/common/gradient_hooks.h>
 #include <torchpar/ddp/timeline.h>
 
 #include <ATen/ScalarOps.h>
@@ -12,7 +14,6 @@
 #include <c10/util/irange.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -23,21 +24,6 @@
 
 namespace torchpar::ddp {
 namespace {
-
-// Runs after AccumulateGrad wrote a parameter's .grad: the moment its gradient is final.
-class GradientReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  GradientReadyHook(std::function<void()> on_ready) : on_ready_(std::move(on_ready)) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
-    on_ready_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> on_ready_;
-};
 
 } // namespace
 
@@ -76,14 +62,11 @@ Reducer::Reducer(
   average_scale_ = at::native::wrapped_scalar_tensor(1.0 / world_size());
   ready_.assign(parameters_.size(), false);
   build_buckets(reverse_registration_order(parameters_.size()));
-  install_hooks();
+  gradient_hooks_ = std::make_unique<GradientReadyHooks>(
+      parameters_, [this](size_t index) { on_gradient_accumulated(index); });
 }
 
-Reducer::~Reducer() {
-  for (const auto i : c10::irange(grad_accumulators_.size())) {
-    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
-  }
-}
+Reducer::~Reducer() = default;
 
 void Reducer::set_gradient_divisor(int divisor) {
   TORCH_CHECK(divisor > 0, "DistributedDataParallel: gradient divisor must be positive, got ", divisor);
@@ -156,34 +139,9 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
   }
 }
 
-void Reducer::install_hooks() {
-  hook_keys_.resize(parameters_.size());
-  grad_accumulators_.resize(parameters_.size());
-  grad_accumulator_owners_.resize(parameters_.size());
-  for (const auto i : c10::irange(parameters_.size())) {
-    attach_hook(i);
-  }
-}
-
-void Reducer::attach_hook(size_t index) {
-  auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[index]);
-  TORCH_CHECK(accumulator, "DistributedDataParallel: parameter ", names_[index], " has no gradient accumulator");
-  hook_keys_[index] = accumulator->add_post_hook(
-      std::make_unique<GradientReadyHook>([this, index] { on_gradient_accumulated(index); }));
-  // Held so the hooks stay installed; torch 2.11 hands out a shared_ptr, 2.15 an intrusive_ptr.
-  grad_accumulators_[index] = accumulator.get();
-  grad_accumulator_owners_[index] = std::shared_ptr<void>(static_cast<void*>(accumulator.get()),
-                                                          [owner = accumulator](void*) {});
-}
-
 void Reducer::follow_replaced_grad_accumulators() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto i : c10::irange(parameters_.size())) {
-    if (torch::autograd::impl::grad_accumulator(parameters_[i]).get() != grad_accumulators_[i]) {
-      grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
-      attach_hook(i);
-    }
-  }
+  gradient_hooks_->follow_replaced_accumulators();
 }
 
 std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
@@ -256,7 +214,7 @@ std::vector<size_t> Reducer::unreachable_parameters(const std::vector<at::Tensor
   }
   std::vector<size_t> unreachable;
   for (const auto i : c10::irange(parameters_.size())) {
-    if (!seen.count(grad_accumulators_[i])) {
+    if (!seen.count(gradient_hooks_->accumulator(i))) {
       unreachable.push_back(i);
     }
   }
@@ -454,7 +412,7 @@ at::Tensor Reducer::all_reduce_used_map(at::Tensor used) {
     return all_reduce_sum(*process_group_, used, device()).gt(0);
   } catch (const std::exception& error) {
     TORCH_CHECK(false, peers_.explain(c10::str("DistributedDataParallel (rank ", rank(),
-                                               "): the all-reduce of the used-parameter map failed: ", error.what())));
+                                               "): the all-reduce of the used-parameter map failed: ", message_of(error))));
   }
 }
 

@@ -21,9 +21,10 @@ class CommHookInterface;
 class GradBucket;
 } // namespace c10d
 
-namespace torch::autograd {
-struct Node;
-} // namespace torch::autograd
+
+namespace torchpar {
+class GradientReadyHooks;
+} // namespace torchpar
 
 namespace torchpar::ddp {
 
@@ -101,8 +102,6 @@ class Reducer {
   };
 
   void build_buckets(const std::vector<size_t>& order);
-  void install_hooks();
-  void attach_hook(size_t index);
   void on_gradient_accumulated(size_t index);
   void mark_ready(size_t index, bool produced_by_autograd);
   void launch_ready_buckets();
@@ -135,9 +134,6 @@ class Reducer {
 
   std::vector<Bucket> buckets_;
   std::vector<Location> locations_;
-  std::vector<torch::autograd::Node*> grad_accumulators_;
-  std::vector<std::shared_ptr<void>> grad_accumulator_owners_;  // keep grad_accumulators_ alive
-  std::vector<uintptr_t> hook_keys_;
   std::mutex mutex_;  // autograd hooks, the final callback and the caller's thread
 
   // Per-iteration state (reset by prepare_for_backward).
@@ -155,6 +151,9 @@ class Reducer {
   bool buckets_rebuilt_ = false;
   std::vector<size_t> static_unused_;         // static_graph: locally unused, learnt in iteration 1
   at::Tensor static_globally_used_;           // static_graph: used by some rank, learnt in iteration 1
+
+  // Last: its hooks call into the members above, so it is destroyed first.
+  std::unique_ptr<GradientReadyHooks> gradient_hooks_;
 };
 
 } // namespace torchpar::ddp

@@ -1,5 +1,7 @@
 #include <torchpar/pipeline/p2p.h>
 
+#include <torchpar/common/error_message.h>
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -58,7 +60,7 @@ void wait_or_explain(c10d::Work& work, const char* what, int stage, int microbat
     work.wait();
   } catch (const std::exception& error) {
     TORCH_CHECK(false, "pipeline stage ", stage, ", micro-batch ", microbatch, ": ", what, " rank ", peer,
-                " failed: ", error.what());
+                " failed: ", message_of(error));
   }
 }
 
@@ -232,7 +234,7 @@ void StageLinks::wait_sends() {
     try {
       send.work->wait();
     } catch (const std::exception& error) {
-      const std::string what = send.what + " failed: " + error.what();
+      const std::string what = send.what + " failed: " + message_of(error);
       sends_.clear();
       TORCH_CHECK(false, "pipeline: ", what);
     }

@@ -1,6 +1,7 @@
 #include <torchpar/pipeline/replica_gradients.h>
 
 #include <torchpar/common/bucket_assignment.h>
+#include <torchpar/common/error_message.h>
 #include <torchpar/common/flat_buffers.h>
 
 #include <ATen/ops/zeros_like.h>
@@ -70,7 +71,7 @@ void ReplicaGradients::finish() {
       } catch (const std::exception& error) {
         discard();
         TORCH_CHECK(false, "pipeline (data-parallel rank ", group_->getRank(),
-                    "): averaging stage gradients over the replicas failed: ", error.what());
+                    "): averaging stage gradients over the replicas failed: ", message_of(error));
       }
       bucket.flat.div_(replicas);
       std::vector<at::Tensor> gradients;

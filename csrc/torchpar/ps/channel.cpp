@@ -1,5 +1,7 @@
 #include <torchpar/ps/channel.h>
 
+#include <torchpar/common/error_message.h>
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
@@ -101,7 +103,7 @@ void Channel::send(const Message& message) {
         in_flight_.push_back(group_->send(payload, peer_, tag));
       }
     } catch (const std::exception& error) {
-      failure = error.what();
+      failure = message_of(error);
     }
   }
   if (!failure.empty()) {
@@ -145,7 +147,7 @@ void Channel::wait_loop() {
       // Completes when the peer received it; a peer that stopped receiving costs the group's timeout.
       work->wait();
     } catch (const std::exception& error) {
-      fail(error.what());
+      fail(message_of(error));
       return;
     }
   }
@@ -210,7 +212,7 @@ void Channel::receive_loop() {
         message.payload = frame[0].narrow(0, Frame::kFields * 8, message.frame.payload_bytes);
       }
     } catch (const std::exception& error) {
-      fail(error.what());
+      fail(message_of(error));
       return;
     }
     {
@@ -221,7 +223,7 @@ void Channel::receive_loop() {
     try {
       more = on_message_(std::move(message));
     } catch (const std::exception& error) {
-      fail(std::string("handling a message failed: ") + error.what());
+      fail(std::string("handling a message failed: ") + message_of(error));
       return;
     }
     if (!more) {

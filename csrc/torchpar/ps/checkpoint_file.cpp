@@ -4,6 +4,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <torchpar/common/atomic_file.h>
+#include <torchpar/common/error_message.h>
 
 namespace torchpar::ps {
 
@@ -28,7 +29,7 @@ std::optional<c10::IValue> read_checkpoint_file(const std::string& path) {
   try {
     return torch::jit::pickle_load(std::vector<char>(bytes->begin(), bytes->end()));
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, "torchpar.ps: checkpoint ", path, " is unreadable: ", error.what());
+    TORCH_CHECK(false, "torchpar.ps: checkpoint ", path, " is unreadable: ", message_of(error));
   }
 }
 

@@ -1,5 +1,6 @@
 #include <torchpar/ps/client.h>
 
+#include <torchpar/common/error_message.h>
 #include <torchpar/common/hash.h>
 #include <torchpar/ps/messages.h>
 
@@ -15,39 +16,6 @@
 
 namespace torchpar::ps {
 namespace {
-
-// Completes `future` once every part has answered; the first error fails it.
-struct Gather {
-  explicit Gather(c10::TypePtr type) : future(c10::make_intrusive<c10::ivalue::Future>(std::move(type))) {}
-  std::mutex mutex;
-  int remaining = 0;
-  bool failed = false;
-  Future future;
-  std::function<c10::IValue()> result;
-
-  void part_done() {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (failed || --remaining > 0) return;
-    }
-    try {
-      future->markCompleted(result());
-    } catch (const std::exception& error) {
-      fail(error.what());
-    }
-  }
-  void fail(const std::string& reason) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (failed) return;
-      failed = true;
-    }
-    future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(reason)));
-  }
-  void start_if_empty() {
-    if (remaining == 0) future->markCompleted(result());
-  }
-};
 
 // Distinct ids in first-seen order and, per position of `ids`, the index of its id among them.
 struct DistinctIds {
@@ -73,6 +41,19 @@ DistinctIds distinct_ids(const at::Tensor& ids) {
 
 const uint8_t* bytes_of(const at::Tensor& tensor) { return static_cast<const uint8_t*>(tensor.const_data_ptr()); }
 
+WireReader reader_of(const Message& reply) {
+  return WireReader(reply.payload.defined() ? reply.payload.data_ptr<uint8_t>() : nullptr,
+                    static_cast<size_t>(reply.frame.payload_bytes));
+}
+
+std::vector<std::string> server_names(const std::vector<int>& server_ranks) {
+  std::vector<std::string> names;
+  for (size_t s = 0; s < server_ranks.size(); ++s) {
+    names.push_back("parameter server " + std::to_string(s) + " (rank " + std::to_string(server_ranks[s]) + ")");
+  }
+  return names;
+}
+
 } // namespace
 
 int row_owner(int64_t id, int num_servers) {
@@ -86,13 +67,12 @@ Client::Client(c10::intrusive_ptr<c10d::ProcessGroup> group, int worker_index, s
       worker_index_(worker_index),
       server_ranks_(std::move(server_ranks)),
       timeout_(timeout),
-      server_failures_(server_ranks_.size()),
-      server_done_(server_ranks_.size(), false) {
+      requests_(server_names(server_ranks_), timeout) {
   for (int s = 0; s < num_servers(); ++s) {
     channels_.push_back(std::make_unique<Channel>(
         group_, server_ranks_[s], kRequestTag, kReplyTag,
         [this, s](Message&& message) { return receive(s, std::move(message)); },
-        [this, s](const std::string& reason) { server_failed(s, reason); }));
+        [this, s](const std::string& reason) { requests_.server_failed(s, reason); }));
   }
   watchdog_ = std::thread([this] { watch_deadlines(); });
 }
@@ -101,231 +81,167 @@ Client::~Client() {
   try {
     finish();
   } catch (const std::exception& error) {
-    LOG(WARNING) << "torchpar.ps worker " << worker_index_ << ": finishing failed: " << error.what();
+    LOG(WARNING) << "torchpar.ps worker " << worker_index_ << ": finishing failed: " << message_of(error);
   }
   // Only here: a request refused after finish() may still be looking at its channel.
   channels_.clear();
 }
 
-std::string Client::server_name(int server) const {
-  return "parameter server " + std::to_string(server) + " (rank " + std::to_string(server_ranks_[server]) + ")";
-}
+std::string Client::server_name(int server) const { return server_names(server_ranks_)[server]; }
 
-int64_t Client::send_request(int server, MessageKind kind, std::vector<uint8_t> payload, std::string what,
-                             std::function<void(const Message&)> on_reply,
-                             std::function<void(const std::string&)> on_error) {
+void Client::send_request(int server, MessageKind kind, std::vector<uint8_t> payload, std::string what,
+                          RequestTracker::OnReply on_reply, RequestTracker::OnError on_error) {
   const int64_t id = next_request_++;
   std::lock_guard<std::recursive_mutex> order(send_order_);
-  std::string refusal;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (finished_) {
-      refusal = "torchpar.ps: " + what + " after this worker finished";
-    } else if (!server_failures_[server].empty()) {
-      refusal = "torchpar.ps: " + what + ": " + server_name(server) + " failed earlier: " + server_failures_[server];
-    } else {
-      // A read may wait for a BSP round, which the server closes (dropping the late worker) after the
-      // timeout: a read's deadline leaves it the time to.
-      const bool reads = kind == MessageKind::Pull || kind == MessageKind::PushPull || kind == MessageKind::PullRows;
-      const auto deadline = reads ? timeout_ + std::max(timeout_ / 2, std::chrono::milliseconds(2000)) : timeout_;
-      pending_.emplace(id,
-                       Pending{server, what, std::chrono::steady_clock::now(), deadline, std::move(on_reply), on_error});
-    }
+  if (requests_.start(id, server, kind, std::move(what), std::move(on_reply), std::move(on_error),
+                      RequestTracker::Clock::now())) {
+    channels_[server]->send(make_message(kind, id, std::move(payload)));
   }
-  if (!refusal.empty()) {
-    on_error(refusal);
-    return id;
-  }
-  channels_[server]->send(make_message(kind, id, std::move(payload)));
-  return id;
 }
 
 bool Client::receive(int server, Message&& message) {
   if (message.frame.kind == MessageKind::Bye) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      server_done_[server] = true;
-    }
-    done_.notify_all();
+    requests_.server_said_goodbye(server);
     return false;
   }
-  Pending pending;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = pending_.find(message.frame.request_id);
-    if (it == pending_.end()) {
-      return true; // answered after its deadline: its future already failed
-    }
-    pending = std::move(it->second);
-    pending_.erase(it);
+  auto request = requests_.answer(message.frame.request_id);
+  if (!request) {
+    return true; // answered after its deadline: its future already failed
   }
-  const auto* bytes = message.payload.defined() ? message.payload.data_ptr<uint8_t>() : nullptr;
   if (message.frame.kind == MessageKind::Error) {
-    std::string reason = "torchpar.ps: " + server_name(server) + " refused " + pending.what;
+    std::string reason = "torchpar.ps: " + server_name(server) + " refused " + request->what;
     try {
-      WireReader reader(bytes, static_cast<size_t>(message.frame.payload_bytes));
-      reason = reader.get_string("error");
+      reason = reader_of(message).get_string("error");
     } catch (const std::exception&) {
     }
-    pending.on_error(reason);
+    request->on_error(reason);
     return true;
   }
   try {
-    pending.on_reply(message);
+    request->on_reply(message);
   } catch (const std::exception& error) {
-    pending.on_error("torchpar.ps: the reply of " + server_name(server) + " to " + pending.what +
-                     " is malformed: " + error.what());
+    request->on_error("torchpar.ps: the reply of " + server_name(server) + " to " + request->what +
+                      " is malformed: " + message_of(error));
   }
   return true;
 }
 
-std::vector<Client::Pending> Client::take_pending(const std::function<bool(const Pending&)>& which) {
-  std::vector<Pending> taken;
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    if (which(it->second)) {
-      taken.push_back(std::move(it->second));
-      it = pending_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  return taken;
-}
-
-void Client::server_failed(int server, const std::string& reason) {
-  std::vector<Pending> failed;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    server_failures_[server] = reason;
-    failed = take_pending([server](const Pending& pending) { return pending.server == server; });
-  }
-  done_.notify_all();
-  for (auto& pending : failed) {
-    pending.on_error("torchpar.ps: " + server_name(server) + " failed during " + pending.what + ": " + reason);
-  }
-}
-
 void Client::watch_deadlines() {
   const auto period = std::clamp(timeout_ / 10, std::chrono::milliseconds(10), std::chrono::milliseconds(500));
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(watch_mutex_);
   while (!stopping_) {
     stop_watch_.wait_for(lock, period, [&] { return stopping_; });
-    const auto now = std::chrono::steady_clock::now();
-    auto expired = take_pending([now](const Pending& pending) { return now - pending.sent > pending.deadline; });
     lock.unlock();
-    for (auto& pending : expired) {
-      pending.on_error("torchpar.ps: " + server_name(pending.server) + " did not answer " + pending.what +
-                       " within " + std::to_string(pending.deadline.count()) + " ms");
-    }
+    requests_.expire(RequestTracker::Clock::now());
     lock.lock();
   }
 }
 
-std::vector<Message> Client::request_all(const std::vector<int>& servers, MessageKind kind,
-                                         const std::vector<std::vector<uint8_t>>& payloads, const std::string& what) {
-  struct State {
-    std::mutex mutex;
-    std::condition_variable done;
-    int remaining;
-    std::vector<Message> replies;
-    std::string error;
-  };
-  auto state = std::make_shared<State>();
-  state->remaining = static_cast<int>(servers.size());
-  state->replies.resize(servers.size());
-  for (size_t i = 0; i < servers.size(); ++i) {
+Future Client::send_parts(MessageKind kind, std::vector<ServerPart> parts, const std::string& what,
+                          c10::TypePtr type, std::function<c10::IValue()> result) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(std::move(type));
+  c10::List<Future> replies(c10::FutureType::create(c10::NoneType::get()));
+  for (size_t i = 0; i < parts.size(); ++i) {
+    auto reply = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+    // The first error fails the operation at once; the others are not waited for.
+    reply->addCallback([future](c10::ivalue::Future& reply) {
+      if (reply.hasError()) future->setErrorIfNeeded(reply.exception_ptr());
+    });
+    replies.push_back(reply);
+  }
+  // collectAll's callbacks run after each reply's own (added first): by then any error was forwarded.
+  c10::collectAll(replies)->addCallback([future, result = std::move(result)](c10::ivalue::Future&) {
+    if (future->completed()) return;
+    try {
+      future->markCompleted(result());
+    } catch (const std::exception&) {
+      future->setErrorIfNeeded(std::current_exception());
+    }
+  });
+  for (size_t i = 0; i < parts.size(); ++i) {
+    auto reply = replies.get(i);
     send_request(
-        servers[i], kind, payloads[i], what,
-        [state, i](const Message& reply) {
-          std::lock_guard<std::mutex> lock(state->mutex);
-          state->replies[i] = reply;
-          if (--state->remaining == 0) state->done.notify_all();
+        parts[i].server, kind, std::move(parts[i].payload), what,
+        [reply, read = std::move(parts[i].read_reply)](const Message& message) {
+          if (read) read(message);
+          reply->markCompleted();
         },
-        [state](const std::string& reason) {
-          std::lock_guard<std::mutex> lock(state->mutex);
-          if (state->error.empty()) state->error = reason;
-          if (--state->remaining == 0) state->done.notify_all();
+        [reply](const std::string& reason) {
+          reply->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(reason)));
         });
   }
-  std::unique_lock<std::mutex> lock(state->mutex);
-  state->done.wait(lock, [&] { return state->remaining == 0; });
-  TORCH_CHECK(state->error.empty(), state->error);
-  return state->replies;
+  return future;
+}
+
+// A registration's reply: the table's id on server `s`, and its clock there (non-zero after a restore).
+std::function<void(const Message&)> Client::record_registration(const std::shared_ptr<ClientTable>& table, int s) {
+  return [table, s](const Message& reply) {
+    const auto registered = decode_registered(reply.payload.defined() ? reply.payload.data_ptr<uint8_t>() : nullptr,
+                                              static_cast<size_t>(reply.frame.payload_bytes));
+    table->server_table[s] = registered.table;
+    table->clocks[s] = registered.clock;
+  };
+}
+
+int Client::add_table(MessageKind kind, std::vector<ServerPart> parts, const std::shared_ptr<ClientTable>& table,
+                      const std::string& what) {
+  send_parts(kind, std::move(parts), what, c10::NoneType::get(), [] { return c10::IValue(); })->waitAndThrow();
+  std::lock_guard<std::mutex> lock(tables_mutex_);
+  tables_.push_back(*table);
+  return static_cast<int>(tables_.size()) - 1;
 }
 
 int Client::dense_table(const std::string& name, const at::Tensor& initial, const OptimizerConfig& optimizer) {
   TORCH_CHECK(initial.defined() && initial.numel() > 0, "torchpar.ps: dense table '", name, "' needs initial values");
-  ClientTable table;
-  table.name = name;
-  table.dtype = initial.scalar_type();
-  dtype_code(table.dtype);
-  table.shape = initial.sizes().vec();
-  table.numel = initial.numel();
+  auto table = std::make_shared<ClientTable>();
+  table->name = name;
+  table->dtype = initial.scalar_type();
+  dtype_code(table->dtype);
+  table->shape = initial.sizes().vec();
+  table->numel = initial.numel();
+  table->server_table.assign(num_servers(), -1);
+  table->clocks.assign(num_servers(), 0);
   const auto flat = initial.detach().contiguous().view(-1).cpu();
-  std::vector<int> servers;
-  std::vector<std::vector<uint8_t>> payloads;
+  std::vector<ServerPart> parts;
   for (int s = 0; s < num_servers(); ++s) {
-    table.shard_begin.push_back(table.numel * s / num_servers());
-    table.shard_end.push_back(table.numel * (s + 1) / num_servers());
-    if (table.shard_end[s] > table.shard_begin[s]) {
+    table->shard_begin.push_back(table->numel * s / num_servers());
+    table->shard_end.push_back(table->numel * (s + 1) / num_servers());
+    if (table->shard_end[s] > table->shard_begin[s]) {
       DenseRegistration registration;
       registration.name = name;
-      registration.dtype = table.dtype;
-      registration.shape = table.shape;
-      registration.shard_begin = table.shard_begin[s];
-      registration.shard_end = table.shard_end[s];
+      registration.dtype = table->dtype;
+      registration.shape = table->shape;
+      registration.shard_begin = table->shard_begin[s];
+      registration.shard_end = table->shard_end[s];
       registration.optimizer = optimizer;
-      registration.initial = bytes_of(flat) + table.shard_begin[s] * flat.element_size();
+      registration.initial = bytes_of(flat) + table->shard_begin[s] * flat.element_size();
       WireWriter writer;
       encode_registration(writer, registration);
-      servers.push_back(s);
-      payloads.push_back(writer.release());
+      parts.push_back({s, writer.release(), record_registration(table, s)});
     }
   }
-  const auto replies = request_all(servers, MessageKind::RegisterDense, payloads, "registering table '" + name + "'");
-  table.server_table.assign(num_servers(), -1);
-  table.clocks.assign(num_servers(), 0);
-  for (size_t i = 0; i < servers.size(); ++i) {
-    const auto& reply = replies[i];
-    const auto registered = decode_registered(reply.payload.defined() ? reply.payload.data_ptr<uint8_t>() : nullptr,
-                                              static_cast<size_t>(reply.frame.payload_bytes));
-    table.server_table[servers[i]] = registered.table;
-    table.clocks[servers[i]] = registered.clock;
-  }
-  std::lock_guard<std::mutex> lock(mutex_);
-  tables_.push_back(std::move(table));
-  return static_cast<int>(tables_.size()) - 1;
+  return add_table(MessageKind::RegisterDense, std::move(parts), table, "registering table '" + name + "'");
 }
 
 int Client::sparse_table(const std::string& name, int64_t num_rows, int64_t dim, const OptimizerConfig& optimizer,
                          const RowInitializer& initializer, c10::ScalarType dtype) {
-  ClientTable table;
-  table.name = name;
-  table.sparse = true;
-  table.dtype = dtype;
-  table.num_rows = num_rows;
-  table.dim = dim;
+  auto table = std::make_shared<ClientTable>();
+  table->name = name;
+  table->sparse = true;
+  table->dtype = dtype;
+  table->num_rows = num_rows;
+  table->dim = dim;
+  table->server_table.assign(num_servers(), -1);
+  table->clocks.assign(num_servers(), 0);
   SparseRegistration registration{name, dtype, num_rows, dim, initializer, optimizer};
   WireWriter writer;
   encode_registration(writer, registration);
   const auto payload = writer.release();
-  std::vector<int> servers;
-  for (int s = 0; s < num_servers(); ++s) servers.push_back(s);
-  const auto replies = request_all(servers, MessageKind::RegisterSparse,
-                                   std::vector<std::vector<uint8_t>>(servers.size(), payload),
-                                   "registering sparse table '" + name + "'");
-  table.server_table.assign(num_servers(), -1);
-  table.clocks.assign(num_servers(), 0);
+  std::vector<ServerPart> parts;
   for (int s = 0; s < num_servers(); ++s) {
-    const auto registered = decode_registered(
-        replies[s].payload.defined() ? replies[s].payload.data_ptr<uint8_t>() : nullptr,
-        static_cast<size_t>(replies[s].frame.payload_bytes));
-    table.server_table[s] = registered.table;
-    table.clocks[s] = registered.clock;
+    parts.push_back({s, payload, record_registration(table, s)});
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  tables_.push_back(std::move(table));
-  return static_cast<int>(tables_.size()) - 1;
+  return add_table(MessageKind::RegisterSparse, std::move(parts), table, "registering sparse table '" + name + "'");
 }
 
 const ClientTable& Client::checked_table(int table, bool sparse, const char* operation) const {
@@ -338,13 +254,13 @@ const ClientTable& Client::checked_table(int table, bool sparse, const char* ope
 }
 
 ClientTable Client::table(int table) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(tables_mutex_);
   TORCH_CHECK(table >= 0 && table < static_cast<int>(tables_.size()), "torchpar.ps: no table with handle ", table);
   return tables_[table];
 }
 
 int64_t Client::clock(int table) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(tables_mutex_);
   TORCH_CHECK(table >= 0 && table < static_cast<int>(tables_.size()), "torchpar.ps: no table with handle ", table);
   const auto& t = tables_[table];
   int64_t clock = std::numeric_limits<int64_t>::max();
@@ -373,7 +289,7 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
   std::string what = std::string(operation) + " of";
   // Clocks are assigned and messages queued in one go, so a server sees each table's pushes in clock order.
   std::lock_guard<std::recursive_mutex> order(send_order_);
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(tables_mutex_);
   TORCH_CHECK(!pushing || grads.size() == tables.size(), "torchpar.ps: ", operation, " of ", tables.size(),
               " tables with ", grads.size(), " gradients");
   for (size_t i = 0; i < tables.size(); ++i) {
@@ -394,21 +310,10 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
     }
     if (reading) outputs->push_back(at::empty(t.shape, at::TensorOptions().dtype(t.dtype)));
   }
-  auto gather = std::make_shared<Gather>(reading ? c10::TypePtr(c10::ListType::ofTensors())
-                                                 : c10::TypePtr(c10::NoneType::get()));
-  gather->result = [outputs]() -> c10::IValue {
-    if (outputs->empty()) return c10::IValue();
-    return c10::IValue(c10::List<at::Tensor>(*outputs));
-  };
-  struct Part {
-    int server;
-    std::vector<uint8_t> payload;
-    std::vector<std::array<int64_t, 3>> reads; // table position, shard begin, shard length
-  };
-  std::vector<Part> parts;
+  std::vector<ServerPart> parts;
   for (int s = 0; s < num_servers(); ++s) {
     std::vector<DenseItem> items;
-    Part part{s, {}, {}};
+    std::vector<std::array<int64_t, 3>> reads; // table position, shard begin, shard length
     for (size_t i = 0; i < tables.size(); ++i) {
       auto& t = tables_[tables[i]];
       if (t.server_table[s] < 0) continue;
@@ -420,45 +325,40 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
         t.clocks[s] += 1;
       }
       items.push_back(item);
-      part.reads.push_back({static_cast<int64_t>(i), begin, n});
+      reads.push_back({static_cast<int64_t>(i), begin, n});
     }
     if (items.empty()) continue;
     WireWriter writer;
     encode_dense_items(writer, items, pushing);
-    part.payload = writer.release();
-    parts.push_back(std::move(part));
-  }
-  gather->remaining = static_cast<int>(parts.size());
-  lock.unlock();
-  gather->start_if_empty();
-  for (auto& part : parts) {
-    auto reads = part.reads;
-    send_request(
-        part.server, kind, std::move(part.payload), what,
-        [gather, outputs, reads, reading](const Message& reply) {
-          if (reading) {
-            WireReader reader(reply.payload.defined() ? reply.payload.data_ptr<uint8_t>() : nullptr,
-                              static_cast<size_t>(reply.frame.payload_bytes));
-            for (const auto& [index, begin, n] : reads) {
-              auto& output = (*outputs)[index];
-              const size_t bytes = n * output.element_size();
-              const auto* data = reader.get_data(bytes, "values");
-              if (n == output.numel()) {
-                // One server holds the whole table: its reply is the tensor, no copy.
-                auto payload = reply.payload;
-                output = at::from_blob(
-                    const_cast<uint8_t*>(data), output.sizes(), [payload](void*) {}, output.options());
-              } else {
-                std::memcpy(static_cast<uint8_t*>(output.data_ptr()) + begin * output.element_size(), data, bytes);
-              }
-            }
-            reader.expect_end();
+    std::function<void(const Message&)> read_values;
+    if (reading) {
+      read_values = [outputs, reads](const Message& reply) {
+        auto reader = reader_of(reply);
+        for (const auto& [index, begin, n] : reads) {
+          auto& output = (*outputs)[index];
+          const size_t bytes = n * output.element_size();
+          const auto* data = reader.get_data(bytes, "values");
+          if (n == output.numel()) {
+            // One server holds the whole table: its reply is the tensor, no copy.
+            auto payload = reply.payload;
+            output = at::from_blob(
+                const_cast<uint8_t*>(data), output.sizes(), [payload](void*) {}, output.options());
+          } else {
+            std::memcpy(static_cast<uint8_t*>(output.data_ptr()) + begin * output.element_size(), data, bytes);
           }
-          gather->part_done();
-        },
-        [gather](const std::string& reason) { gather->fail(reason); });
+        }
+        reader.expect_end();
+      };
+    }
+    parts.push_back({s, writer.release(), std::move(read_values)});
   }
-  return gather->future;
+  lock.unlock();
+  return send_parts(kind, std::move(parts), what,
+                    reading ? c10::TypePtr(c10::ListType::ofTensors()) : c10::TypePtr(c10::NoneType::get()),
+                    [outputs]() -> c10::IValue {
+                      if (outputs->empty()) return c10::IValue();
+                      return c10::IValue(c10::List<at::Tensor>(*outputs));
+                    });
 }
 
 Future Client::pull_rows(const std::vector<int>& tables, const std::vector<at::Tensor>& ids) {
@@ -483,7 +383,7 @@ Future Client::rows_operation(MessageKind kind, const std::vector<int>& tables, 
   std::vector<at::Tensor> summed_grads;  // push: [distinct, dim]
   std::vector<std::vector<int64_t>> shapes;
   std::lock_guard<std::recursive_mutex> order(send_order_);
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(tables_mutex_);
   for (size_t i = 0; i < tables.size(); ++i) {
     const auto& t = checked_table(tables[i], true, operation);
     what += (i ? ", '" : " '") + t.name + "'";
@@ -515,27 +415,12 @@ Future Client::rows_operation(MessageKind kind, const std::vector<int>& tables, 
       unique_rows.push_back(at::empty({count, t.dim}, at::TensorOptions().dtype(t.dtype)));
     }
   }
-  auto gather = std::make_shared<Gather>(pushing ? c10::TypePtr(c10::NoneType::get())
-                                                 : c10::TypePtr(c10::ListType::ofTensors()));
-  gather->result = [unique_rows, distinct, shapes]() -> c10::IValue {
-    if (unique_rows.empty()) return c10::IValue();
-    c10::List<at::Tensor> rows;
-    for (size_t i = 0; i < unique_rows.size(); ++i) {
-      rows.push_back(unique_rows[i].index_select(0, distinct[i].inverse).view(shapes[i]));
-    }
-    return c10::IValue(rows);
-  };
-  struct Part {
-    int server;
-    std::vector<uint8_t> payload;
-    std::vector<std::pair<size_t, std::vector<int64_t>>> reads; // table position, positions among distinct ids
-  };
-  std::vector<Part> parts;
+  std::vector<ServerPart> parts;
   for (int s = 0; s < num_servers(); ++s) {
-    Part part{s, {}, {}};
     std::vector<RowsItem> items;
     std::vector<std::vector<int64_t>> item_ids;
     std::vector<at::Tensor> item_grads;
+    std::vector<std::pair<size_t, std::vector<int64_t>>> reads; // table position, positions among distinct ids
     for (size_t i = 0; i < tables.size(); ++i) {
       auto& t = tables_[tables[i]];
       std::vector<int64_t> positions;
@@ -558,7 +443,7 @@ Future Client::rows_operation(MessageKind kind, const std::vector<int>& tables, 
       }
       item_ids.push_back(std::move(owned));
       items.push_back(item);
-      part.reads.emplace_back(i, std::move(positions));
+      reads.emplace_back(i, std::move(positions));
     }
     if (items.empty()) continue;
     for (size_t k = 0; k < items.size(); ++k) {
@@ -567,44 +452,41 @@ Future Client::rows_operation(MessageKind kind, const std::vector<int>& tables, 
     }
     WireWriter writer;
     encode_rows_items(writer, items, pushing);
-    part.payload = writer.release();
-    parts.push_back(std::move(part));
+    std::function<void(const Message&)> read_rows;
+    if (!pushing) {
+      read_rows = [unique_rows, reads = std::move(reads)](const Message& reply) {
+        auto reader = reader_of(reply);
+        for (const auto& [index, positions] : reads) {
+          const auto& rows = unique_rows[index];
+          const int64_t count = static_cast<int64_t>(positions.size());
+          const size_t bytes = count * rows.size(1) * rows.element_size();
+          auto received = at::from_blob(const_cast<uint8_t*>(reader.get_data(bytes, "rows")), {count, rows.size(1)},
+                                        rows.options());
+          rows.index_copy_(0, at::from_blob(const_cast<int64_t*>(positions.data()), {count}, at::kLong), received);
+        }
+        reader.expect_end();
+      };
+    }
+    parts.push_back({s, writer.release(), std::move(read_rows)});
   }
-  gather->remaining = static_cast<int>(parts.size());
   lock.unlock();
-  gather->start_if_empty();
-  for (auto& part : parts) {
-    auto reads = std::move(part.reads);
-    send_request(
-        part.server, kind, std::move(part.payload), what,
-        [gather, unique_rows, reads, pushing](const Message& reply) {
-          if (!pushing) {
-            WireReader reader(reply.payload.defined() ? reply.payload.data_ptr<uint8_t>() : nullptr,
-                              static_cast<size_t>(reply.frame.payload_bytes));
-            for (const auto& [index, positions] : reads) {
-              const auto& rows = unique_rows[index];
-              const int64_t count = static_cast<int64_t>(positions.size());
-              const size_t bytes = count * rows.size(1) * rows.element_size();
-              auto received = at::from_blob(const_cast<uint8_t*>(reader.get_data(bytes, "rows")),
-                                            {count, rows.size(1)}, rows.options());
-              rows.index_copy_(0, at::from_blob(const_cast<int64_t*>(positions.data()), {count}, at::kLong),
-                               received);
-            }
-            reader.expect_end();
-          }
-          gather->part_done();
-        },
-        [gather](const std::string& reason) { gather->fail(reason); });
-  }
-  return gather->future;
+  return send_parts(kind, std::move(parts), what,
+                    pushing ? c10::TypePtr(c10::NoneType::get()) : c10::TypePtr(c10::ListType::ofTensors()),
+                    [unique_rows, distinct, shapes]() -> c10::IValue {
+                      if (unique_rows.empty()) return c10::IValue();
+                      c10::List<at::Tensor> rows;
+                      for (size_t i = 0; i < unique_rows.size(); ++i) {
+                        rows.push_back(unique_rows[i].index_select(0, distinct[i].inverse).view(shapes[i]));
+                      }
+                      return c10::IValue(rows);
+                    });
 }
 
 void Client::set_learning_rate(int table, double lr) {
-  std::vector<int> servers;
-  std::vector<std::vector<uint8_t>> payloads;
+  std::vector<ServerPart> parts;
   std::string name;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(tables_mutex_);
     TORCH_CHECK(table >= 0 && table < static_cast<int>(tables_.size()), "torchpar.ps: no table with handle ", table);
     const auto& t = tables_[table];
     name = t.name;
@@ -612,59 +494,43 @@ void Client::set_learning_rate(int table, double lr) {
       if (t.server_table[s] < 0) continue;
       WireWriter writer;
       encode_learning_rate(writer, static_cast<uint32_t>(t.server_table[s]), lr);
-      servers.push_back(s);
-      payloads.push_back(writer.release());
+      parts.push_back({s, writer.release(), nullptr});
     }
   }
-  request_all(servers, MessageKind::SetLearningRate, payloads, "setting the learning rate of '" + name + "'");
+  send_parts(MessageKind::SetLearningRate, std::move(parts), "setting the learning rate of '" + name + "'",
+             c10::NoneType::get(), [] { return c10::IValue(); })
+      ->waitAndThrow();
 }
 
 void Client::checkpoint() {
-  std::vector<int> servers;
-  for (int s = 0; s < num_servers(); ++s) servers.push_back(s);
-  request_all(servers, MessageKind::Checkpoint, std::vector<std::vector<uint8_t>>(servers.size()), "checkpoint");
+  std::vector<ServerPart> parts;
+  for (int s = 0; s < num_servers(); ++s) parts.push_back({s, {}, nullptr});
+  send_parts(MessageKind::Checkpoint, std::move(parts), "checkpoint", c10::NoneType::get(),
+             [] { return c10::IValue(); })
+      ->waitAndThrow();
 }
 
 void Client::finish() {
   // Under send_order_: no request is between its checks and its sends while the finish goes out.
   std::unique_lock<std::recursive_mutex> order(send_order_);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (finished_) return;
-    finished_ = true;
-  }
-  bool server_lost = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& failure : server_failures_) server_lost = server_lost || !failure.empty();
-  }
+  if (!requests_.finish()) return;
   // After a server died the job is broken: the others see this worker's connection close instead of a
   // clean finish, and keep their last consistent checkpoint rather than write one at the end.
+  const bool server_lost = requests_.any_server_failed();
   for (int s = 0; s < num_servers() && !server_lost; ++s) {
     channels_[s]->send(make_message(MessageKind::Finish, next_request_++, {}));
   }
   order.unlock(); // replies' callbacks may start requests (refused now) while we wait for the servers
+  if (!server_lost) {
+    requests_.wait_for_goodbyes(timeout_);
+  }
   {
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait_for(lock, timeout_, [&] {
-      if (server_lost) return true;
-      for (int s = 0; s < num_servers(); ++s) {
-        if (!server_done_[s] && server_failures_[s].empty()) return false;
-      }
-      return true;
-    });
+    std::lock_guard<std::mutex> lock(watch_mutex_);
     stopping_ = true;
   }
   stop_watch_.notify_all();
   watchdog_.join();
-  std::map<int64_t, Pending> unanswered;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    unanswered.swap(pending_);
-  }
-  for (auto& [id, pending] : unanswered) {
-    pending.on_error("torchpar.ps: " + pending.what + " was not answered before this worker finished");
-  }
+  requests_.fail_all("was not answered before this worker finished");
 }
 
 Future Client::send_raw(int server, int64_t kind, const at::Tensor& payload) {

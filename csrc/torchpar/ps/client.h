@@ -5,11 +5,11 @@
 // the timeout, or a server's broken connection, fail their futures with a message naming it.
 #include <torchpar/ps/channel.h>
 #include <torchpar/ps/config.h>
+#include <torchpar/ps/request_tracker.h>
 
 #include <ATen/core/ivalue.h>
 
 #include <atomic>
-#include <map>
 
 namespace torchpar::ps {
 
@@ -68,24 +68,24 @@ class Client {
   Future send_raw(int server, int64_t kind, const at::Tensor& payload);
 
  private:
-  struct Pending {
+  // One server's share of an operation: its message, and what to take from its reply (on the
+  // receiving thread; none when the reply carries nothing).
+  struct ServerPart {
     int server;
-    std::string what;
-    std::chrono::steady_clock::time_point sent;
-    std::chrono::milliseconds deadline;
-    std::function<void(const Message&)> on_reply; // on the receiving thread
-    std::function<void(const std::string&)> on_error;
+    std::vector<uint8_t> payload;
+    std::function<void(const Message&)> read_reply;
   };
 
-  int64_t send_request(int server, MessageKind kind, std::vector<uint8_t> payload, std::string what,
-                       std::function<void(const Message&)> on_reply, std::function<void(const std::string&)> on_error);
+  void send_request(int server, MessageKind kind, std::vector<uint8_t> payload, std::string what,
+                    RequestTracker::OnReply on_reply, RequestTracker::OnError on_error);
+  // Sends every part; the future completes with result() once all replied, or fails at the first error.
+  Future send_parts(MessageKind kind, std::vector<ServerPart> parts, const std::string& what, c10::TypePtr type,
+                    std::function<c10::IValue()> result);
   bool receive(int server, Message&& message);
-  // Removes and returns the pending requests `which` selects; the caller holds mutex_.
-  std::vector<Pending> take_pending(const std::function<bool(const Pending&)>& which);
-  void server_failed(int server, const std::string& reason);
   void watch_deadlines();
-  std::vector<Message> request_all(const std::vector<int>& servers, MessageKind kind,
-                                   const std::vector<std::vector<uint8_t>>& payloads, const std::string& what);
+  static std::function<void(const Message&)> record_registration(const std::shared_ptr<ClientTable>& table, int s);
+  int add_table(MessageKind kind, std::vector<ServerPart> parts, const std::shared_ptr<ClientTable>& table,
+                const std::string& what);
   Future dense_operation(MessageKind kind, const std::vector<int>& tables, const std::vector<at::Tensor>& grads);
   Future rows_operation(MessageKind kind, const std::vector<int>& tables, const std::vector<at::Tensor>& ids,
                         const std::vector<at::Tensor>& grads);
@@ -98,15 +98,13 @@ class Client {
   std::chrono::milliseconds timeout_;
 
   std::recursive_mutex send_order_; // held from a request's checks to its sends (operations nest it)
-  mutable std::mutex mutex_;
+  mutable std::mutex tables_mutex_;
   std::vector<ClientTable> tables_;
-  std::map<int64_t, Pending> pending_;
-  std::vector<std::string> server_failures_; // non-empty: that server is gone
-  std::vector<bool> server_done_;
-  bool finished_ = false;
+  RequestTracker requests_;
   std::atomic<int64_t> next_request_{1};
-  std::condition_variable done_;
-  std::vector<std::unique_ptr<Channel>> channels_;
+  std::vector<std::unique_ptr<Channel>> channels_; // after requests_: their threads call into it
+
+  std::mutex watch_mutex_;
   bool stopping_ = false;
   std::condition_variable stop_watch_;
   std::thread watchdog_;

@@ -5,13 +5,28 @@
 namespace torchpar::ps {
 
 EmbeddingImpl::EmbeddingImpl(Client& client, const std::string& name, int64_t num_rows, int64_t dim,
-                             const OptimizerConfig& optimizer, const RowInitializer& initializer)
-    : client_(&client), table_(client.sparse_table(name, num_rows, dim, optimizer, initializer)) {}
+                             const OptimizerConfig& optimizer, const RowInitializer& initializer,
+                             c10::ScalarType dtype)
+    : client_(&client),
+      table_(client.sparse_table(name, num_rows, dim, optimizer, initializer, dtype)),
+      num_rows_(num_rows),
+      dim_(dim) {}
 
 void EmbeddingImpl::flush() {
-  if (last_push_) {
-    auto push = std::move(last_push_);
-    push->waitAndThrow();
+  std::vector<Future> futures;
+  {
+    std::lock_guard<std::mutex> lock(pushes_->mutex);
+    futures.swap(pushes_->futures);
+  }
+  std::exception_ptr first_error;
+  for (auto& future : futures) {
+    future->wait();
+    if (future->hasError() && !first_error) {
+      first_error = future->exception_ptr();
+    }
+  }
+  if (first_error) {
+    std::rethrow_exception(first_error);
   }
 }
 
@@ -22,9 +37,11 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& ids) {
   auto rows = pulled->value().toTensorList().get(0);
   if (is_training() && c10::GradMode::is_enabled()) {
     rows.requires_grad_(true);
-    const auto batch_ids = ids.detach().cpu().clone();
-    rows.register_hook([this, batch_ids](const at::Tensor& grad) {
-      last_push_ = client_->push_rows({table_}, {batch_ids}, {grad});
+    rows.register_hook([client = client_, table = table_, pushes = pushes_,
+                        batch_ids = ids.detach().cpu().clone()](const at::Tensor& grad) {
+      auto push = client->push_rows({table}, {batch_ids}, {grad});
+      std::lock_guard<std::mutex> lock(pushes->mutex);
+      pushes->futures.push_back(std::move(push));
     });
   }
   return rows;

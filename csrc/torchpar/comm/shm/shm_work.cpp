@@ -1,5 +1,7 @@
 #include <torchpar/comm/shm/shm_work.h>
 
+#include <torchpar/common/error_message.h>
+
 #include <ATen/core/jit_type.h>
 #include <c10/util/Logging.h>
 
@@ -27,7 +29,7 @@ void ShmWork::complete() {
     future_->markCompleted(c10::IValue(outputs_));
   } catch (const std::exception& e) {
     // A callback the user chained on the future threw; the op itself succeeded.
-    LOG(ERROR) << "shm backend: a callback on a completed op's future threw: " << e.what();
+    LOG(ERROR) << "shm backend: a callback on a completed op's future threw: " << message_of(e);
   }
   finish();
 }
@@ -36,7 +38,7 @@ void ShmWork::fail(const std::exception_ptr& error) {
   try {
     future_->setError(error);
   } catch (const std::exception& e) {
-    LOG(ERROR) << "shm backend: a callback on a failed op's future threw: " << e.what();
+    LOG(ERROR) << "shm backend: a callback on a failed op's future threw: " << message_of(e);
   }
   finish(error);
 }

@@ -1,0 +1,110 @@
+// ps/channel: one peer of the parameter service over a process group's send/recv (2 forked ranks on
+// Gloo). Payload sizes cover every path: none, inline in the frame, one past it, and large sizes the
+// first time (a fresh receive) and again (a slot kept posted for that size).
+#include "catch_with_torch.h"
+
+#include <torchpar/ps/channel.h>
+
+#include <condition_variable>
+#include <mutex>
+
+#include "harness.h"
+
+namespace ps = torchpar::ps;
+using torchpar::testing::run_on_ranks;
+using Catch::Matchers::Contains;
+
+namespace {
+
+struct Received {
+  ps::MessageKind kind;
+  int64_t request_id;
+  std::vector<uint8_t> bytes;
+};
+
+// Collects what a channel receives until the peer's last message (kind Bye), or a failure.
+struct Inbox {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::vector<Received> messages;
+  std::vector<std::string> failures;
+  bool done = false;
+
+  bool on_message(ps::Message&& message) {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto* data = message.payload.defined() ? message.payload.data_ptr<uint8_t>() : nullptr;
+    messages.push_back({message.frame.kind, message.frame.request_id,
+                        std::vector<uint8_t>(data, data + message.frame.payload_bytes)});
+    done = message.frame.kind == ps::MessageKind::Bye;
+    changed.notify_all();
+    return !done;
+  }
+  void on_failure(const std::string& reason) {
+    std::lock_guard<std::mutex> lock(mutex);
+    failures.push_back(reason);
+    changed.notify_all();
+  }
+  bool wait(const std::function<bool()>& until) {
+    std::unique_lock<std::mutex> lock(mutex);
+    return changed.wait_for(lock, std::chrono::seconds(60), until);
+  }
+};
+
+std::vector<uint8_t> pattern(size_t bytes, int64_t seed) {
+  std::vector<uint8_t> data(bytes);
+  for (size_t i = 0; i < bytes; ++i) data[i] = static_cast<uint8_t>((i * 31 + seed) % 251);
+  return data;
+}
+
+const std::vector<size_t> kSizes = {0, 10, ps::Frame::kInlineBytes, ps::Frame::kInlineBytes + 1, 100000, 100000,
+                                    size_t{3} << 20, 100000, 7, size_t{3} << 20, size_t{3} << 20};
+
+} // namespace
+
+TEST_CASE("ps channel: messages arrive whole and in order, whatever their size, in both directions") {
+  run_on_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    Inbox inbox;
+    const bool requester = rank == 0;
+    ps::Channel channel(
+        pg, 1 - rank, requester ? ps::kRequestTag : ps::kReplyTag, requester ? ps::kReplyTag : ps::kRequestTag,
+        [&](ps::Message&& message) { return inbox.on_message(std::move(message)); },
+        [&](const std::string& reason) { inbox.on_failure(reason); });
+    for (size_t i = 0; i < kSizes.size(); ++i) {
+      channel.send(ps::make_message(ps::MessageKind::Push, static_cast<int64_t>(i) + 100 * rank,
+                                    pattern(kSizes[i], static_cast<int64_t>(i) + rank)));
+    }
+    channel.send(ps::make_message(ps::MessageKind::Bye, -1, {}));
+    REQUIRE(inbox.wait([&] { return inbox.done || !inbox.failures.empty(); }));
+    CHECK(inbox.failures.empty());
+    REQUIRE(inbox.messages.size() == kSizes.size() + 1);
+    const int peer = 1 - rank;
+    for (size_t i = 0; i < kSizes.size(); ++i) {
+      INFO("message " << i << " of " << kSizes[i] << " bytes");
+      CHECK(inbox.messages[i].kind == ps::MessageKind::Push);
+      CHECK(inbox.messages[i].request_id == static_cast<int64_t>(i) + 100 * peer);
+      CHECK(inbox.messages[i].bytes == pattern(kSizes[i], static_cast<int64_t>(i) + peer));
+    }
+    pg->barrier()->wait();  // both received everything before either channel goes
+  });
+}
+
+TEST_CASE("ps channel: a peer that dies is reported to the failure callback once") {
+  run_on_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    Inbox inbox;
+    if (rank == 1) {
+      pg->barrier()->wait();
+      torchpar::testing::leave_abruptly();  // gone without a word: its connections close
+    }
+    {
+      ps::Channel channel(
+          pg, 1, ps::kRequestTag, ps::kReplyTag,
+          [&](ps::Message&& message) { return inbox.on_message(std::move(message)); },
+          [&](const std::string& reason) { inbox.on_failure(reason); });
+      pg->barrier()->wait();
+      REQUIRE(inbox.wait([&] { return !inbox.failures.empty(); }));
+    }  // the destructor joined the channel's threads: no callback can come later
+    CHECK(inbox.failures.size() == 1);
+    CHECK(inbox.messages.empty());
+    CHECK_THAT(inbox.failures[0], Contains("Connection closed by peer"));
+  });
+}
