@@ -13,3 +13,8 @@
 #include <torchpar/ps/embedding.h>
 #include <torchpar/ps/remote_parameters.h>
 #include <torchpar/ps/service.h>
+#include <torchpar/tensor_parallel/cross_entropy.h>
+#include <torchpar/tensor_parallel/layers.h>
+#include <torchpar/tensor_parallel/parallel_grid.h>
+#include <torchpar/tensor_parallel/random.h>
+#include <torchpar/tensor_parallel/sharded_parameters.h>

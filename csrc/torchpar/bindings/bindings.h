@@ -9,5 +9,6 @@ void bind_comm(pybind11::module_& module);
 void bind_ddp(pybind11::module_& module);
 void bind_pipeline(pybind11::module_& module);
 void bind_ps(pybind11::module_& module);
+void bind_tensor_parallel(pybind11::module_& module);
 
 } // namespace torchpar::bindings

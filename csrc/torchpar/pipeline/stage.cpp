@@ -1,6 +1,7 @@
 #include <torchpar/pipeline/stage.h>
 
 #include <torchpar/common/error_message.h>
+#include <torchpar/common/generator_state.h>
 #include <torchpar/pipeline/p2p.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -63,23 +64,6 @@ Tensors input_gradients(const Tensors& roots, const Tensors& grads, const Tensor
   }
   return result;
 }
-
-class GeneratorStateGuard {
- public:
-  explicit GeneratorStateGuard(const at::Tensor& state) : generator_(at::detail::getDefaultCPUGenerator()) {
-    std::lock_guard<std::mutex> lock(generator_.mutex());
-    saved_ = generator_.get_state();
-    generator_.set_state(state);
-  }
-  ~GeneratorStateGuard() {
-    std::lock_guard<std::mutex> lock(generator_.mutex());
-    generator_.set_state(saved_);
-  }
-
- private:
-  at::Generator generator_;
-  at::Tensor saved_;
-};
 
 // Without backtraces: a C++ one from c10, or the "At:" Python stack pybind11 appends to errors
 // raised by Python layers (the stage, micro-batch and layer are named instead).

@@ -1,0 +1,95 @@
+// tensor_parallel from C++: the layers and the vocabulary-parallel loss on forked ranks against
+// torch::nn's single-process layers (float64), and the 3-D grid's groups. The Python suite
+// (tests/python/test_tensor_parallel.py) covers sizes 1-4 and sequence parallelism.
+#include "catch_with_torch.h"
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/DefaultDtype.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <torchpar/tensor_parallel/cross_entropy.h>
+#include <torchpar/tensor_parallel/layers.h>
+#include <torchpar/tensor_parallel/parallel_grid.h>
+
+#include "harness.h"
+
+namespace tp = torchpar::tensor_parallel;
+using torchpar::testing::RankOptions;
+using torchpar::testing::run_on_ranks;
+
+namespace {
+
+at::Tensor shard(const at::Tensor& full, int64_t dim, int rank, int world) { return full.chunk(world, dim)[rank]; }
+
+bool close(const at::Tensor& a, const at::Tensor& b) { return at::allclose(a, b, 1e-10, 1e-10); }
+
+} // namespace
+
+TEST_CASE("tensor parallel: a column-row MLP, an embedding and the vocabulary-parallel loss equal torch::nn",
+          "[tensor_parallel]") {
+  RankOptions options;
+  options.backend = GENERATE(std::string("gloo"), std::string("shm"));
+  run_on_ranks(2, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    c10::set_default_dtype(caffe2::TypeMeta::Make<double>());
+    torch::manual_seed(0);
+    tp::ColumnParallelLinear up(pg, tp::ColumnParallelLinearOptions(8, 12));
+    tp::RowParallelLinear down(pg, tp::RowParallelLinearOptions(12, 6));
+    tp::VocabParallelEmbedding embedding(pg, tp::VocabParallelEmbeddingOptions(20, 8));
+    torch::manual_seed(0);
+    torch::nn::Linear up_ref(8, 12), down_ref(12, 6);
+    torch::nn::Embedding embedding_ref(20, 8);
+
+    const auto x = at::randn({5, 8}, at::TensorOptions().dtype(at::kDouble));
+    auto x_mine = x.clone().requires_grad_(true);
+    auto x_ref = x.clone().requires_grad_(true);
+    auto y = down->forward(at::gelu(up->forward(x_mine)));
+    auto y_ref = down_ref->forward(at::gelu(up_ref->forward(x_ref)));
+    CHECK(close(y, y_ref));
+    (y * at::arange(6)).sum().backward();
+    (y_ref * at::arange(6)).sum().backward();
+    CHECK(close(x_mine.grad(), x_ref.grad()));
+    CHECK(close(up->weight.grad(), shard(up_ref->weight.grad(), 0, rank, world)));
+    CHECK(close(up->bias.grad(), shard(up_ref->bias.grad(), 0, rank, world)));
+    CHECK(close(down->weight.grad(), shard(down_ref->weight.grad(), 1, rank, world)));
+    CHECK(close(down->bias.grad(), down_ref->bias.grad()));
+
+    const auto ids = at::randint(0, 20, {4, 3}, at::kLong);
+    const auto rows = embedding->forward(ids);
+    CHECK(close(rows, embedding_ref->forward(ids)));
+    // Logits over a 20-id vocabulary split like the embedding's rows: a loss that never gathers them.
+    const auto targets = at::randint(0, 20, {4}, at::kLong);
+    auto logits_ref = at::randn({4, 20}, at::TensorOptions().dtype(at::kDouble)).requires_grad_(true);
+    auto logits = shard(logits_ref.detach(), 1, rank, world).clone().requires_grad_(true);
+    const auto losses = tp::vocab_parallel_cross_entropy(logits, targets, pg);
+    const auto losses_ref = at::cross_entropy_loss(logits_ref, targets, {}, at::Reduction::None);
+    CHECK(close(losses, losses_ref));
+    losses.sum().backward();
+    losses_ref.sum().backward();
+    CHECK(close(logits.grad(), shard(logits_ref.grad(), 1, rank, world)));
+  }, options);
+}
+
+TEST_CASE("tensor parallel: a 2 x 1 x 2 grid puts tensor groups innermost", "[tensor_parallel]") {
+  run_on_ranks(4, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    torchpar::ParallelGrid grid(pg, 2, 1, 2);
+    CHECK(grid.tensor_index() == rank % 2);
+    CHECK(grid.data_index() == rank / 2);
+    CHECK(grid.describe() == "rank " + std::to_string(rank) + " of 4: data " + std::to_string(rank / 2) +
+                                 "/2, pipeline 0/1, tensor " + std::to_string(rank % 2) + "/2");
+    auto members = [&](const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+      std::vector<at::Tensor> mine{at::zeros({world})};
+      mine[0][rank] = 1;
+      group->allreduce(mine)->wait();
+      return mine[0].nonzero().flatten();
+    };
+    CHECK(at::equal(members(grid.tensor_group()), at::arange(rank / 2 * 2, rank / 2 * 2 + 2)));
+    CHECK(at::equal(members(grid.data_group()), at::arange(rank % 2, 4, 2)));
+    CHECK(members(grid.pipeline_group()).numel() == 1);
+  });
+}
