@@ -5,17 +5,24 @@
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/full_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/DefaultDtype.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 
 #include <torchpar/tensor_parallel/cross_entropy.h>
 #include <torchpar/tensor_parallel/layers.h>
 #include <torchpar/tensor_parallel/parallel_grid.h>
+#include <torchpar/tensor_parallel/sharded_parameters.h>
+
+#include <cmath>
+
 
 #include "harness.h"
 
@@ -91,5 +98,52 @@ TEST_CASE("tensor parallel: a 2 x 1 x 2 grid puts tensor groups innermost", "[te
     CHECK(at::equal(members(grid.tensor_group()), at::arange(rank / 2 * 2, rank / 2 * 2 + 2)));
     CHECK(at::equal(members(grid.data_group()), at::arange(rank % 2, 4, 2)));
     CHECK(members(grid.pipeline_group()).numel() == 1);
+  });
+}
+
+TEST_CASE("tensor parallel: a module's full state_dict and gradient norm are the single-process model's",
+          "[tensor_parallel]") {
+  run_on_ranks(2, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    c10::set_default_dtype(caffe2::TypeMeta::Make<double>());
+    torch::manual_seed(0);
+    // One statement each: the order of a call's arguments is unspecified, the order of draws is not.
+    tp::ColumnParallelLinear column(pg, tp::ColumnParallelLinearOptions(4, 6));
+    torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({3}));
+    tp::RowParallelLinear row(pg, tp::RowParallelLinearOptions(6, 2));
+    torch::nn::Sequential model(column, norm, row);
+    torch::manual_seed(0);
+    torch::nn::Linear first(4, 6), second(6, 2);
+
+    const auto layouts = tp::parameter_layouts(*model);
+    REQUIRE(layouts.size() == 6);
+    CHECK(layouts[0].name == "0.weight");
+    CHECK(layouts[0].split_dim == 0);
+    CHECK(layouts[1].split_dim == 0);   // the column layer's bias is split too
+    CHECK(layouts[2].split_dim == -1);  // LayerNorm: replicated
+    CHECK(layouts[4].split_dim == 1);   // the row layer's weight
+    CHECK(layouts[5].split_dim == -1);  // its bias: replicated
+
+    const auto full = tp::full_state_dict(*model, pg);
+    CHECK(close(full["0.weight"], first->weight));
+    CHECK(close(full["2.weight"], second->weight));
+    CHECK(close(full["2.bias"], second->bias));
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& parameter : model->parameters()) parameter.fill_(3);
+    }
+    tp::load_full_state_dict(*model, full, pg);
+    CHECK(close(layouts[0].parameter, shard(first->weight, 0, rank, world)));
+    CHECK(close(layouts[4].parameter, shard(second->weight, 1, rank, world)));
+
+    // Gradients 1 on shards, 2 on replicated parameters: the norm counts each shard once per rank of
+    // the group and each replicated value once.
+    int64_t sharded = 0, replicated = 0;
+    for (const auto& layout : layouts) {
+      layout.parameter.mutable_grad() = at::full_like(layout.parameter, layout.split_dim >= 0 ? 1.0 : 2.0);
+      (layout.split_dim >= 0 ? sharded : replicated) += layout.parameter.numel();
+    }
+    const double expected = std::sqrt(static_cast<double>(sharded * world + 4 * replicated));
+    CHECK(std::abs(tp::clip_grad_norm(layouts, 1.0, pg) - expected) < 1e-9);
+    CHECK(std::abs(layouts[0].parameter.grad()[0][0].item<double>() - 1.0 / (expected + 1e-6)) < 1e-12);
   });
 }
