@@ -22,8 +22,8 @@ def batch(step):
     return torch.randn(BATCH, SEQ, WIDTH, generator=generator), torch.randn(BATCH, SEQ, WIDTH, generator=generator)
 
 
-def reference_training(layers):
-    model = nn.Sequential(*layers)
+def train(model):
+    """STEPS steps of SGD on the global batches; the losses."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -33,22 +33,19 @@ def reference_training(layers):
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return model, losses
+    return losses
+
+
+def reference_training(layers):
+    model = nn.Sequential(*layers)
+    return model, train(model)
 
 
 def block_trains_like_one_process(rank, world):
     torch.set_default_dtype(torch.float64)
     group = dist.group.WORLD
     block = Block(WIDTH, HEADS, HIDDEN, group=group)
-    optimizer = torch.optim.SGD(block.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        optimizer.zero_grad()
-        loss = F.mse_loss(block(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train(block)
     reference, reference_losses = reference_training([Block(WIDTH, HEADS, HIDDEN)])
     assert max(abs(a - b) for a, b in zip(losses, reference_losses)) < 1e-10, (losses, reference_losses)
     full = tp.full_state_dict(block, group)
