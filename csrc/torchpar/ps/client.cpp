@@ -87,8 +87,6 @@ Client::~Client() {
   channels_.clear();
 }
 
-std::string Client::server_name(int server) const { return server_names(server_ranks_)[server]; }
-
 void Client::send_request(int server, MessageKind kind, std::vector<uint8_t> payload, std::string what,
                           RequestTracker::OnReply on_reply, RequestTracker::OnError on_error) {
   const int64_t id = next_request_++;
@@ -109,7 +107,7 @@ bool Client::receive(int server, Message&& message) {
     return true; // answered after its deadline: its future already failed
   }
   if (message.frame.kind == MessageKind::Error) {
-    std::string reason = "torchpar.ps: " + server_name(server) + " refused " + request->what;
+    std::string reason = "torchpar.ps: " + requests_.server_name(server) + " refused " + request->what;
     try {
       reason = reader_of(message).get_string("error");
     } catch (const std::exception&) {
@@ -120,7 +118,7 @@ bool Client::receive(int server, Message&& message) {
   try {
     request->on_reply(message);
   } catch (const std::exception& error) {
-    request->on_error("torchpar.ps: the reply of " + server_name(server) + " to " + request->what +
+    request->on_error("torchpar.ps: the reply of " + requests_.server_name(server) + " to " + request->what +
                       " is malformed: " + message_of(error));
   }
   return true;

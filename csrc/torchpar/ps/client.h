@@ -90,7 +90,6 @@ class Client {
   Future rows_operation(MessageKind kind, const std::vector<int>& tables, const std::vector<at::Tensor>& ids,
                         const std::vector<at::Tensor>& grads);
   const ClientTable& checked_table(int table, bool sparse, const char* operation) const;
-  std::string server_name(int server) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int worker_index_;

@@ -60,6 +60,7 @@ class RequestTracker {
   void fail_all(const std::string& reason);
 
   size_t in_flight() const;
+  const std::string& server_name(int server) const { return server_names_.at(server); }
 
  private:
   // Removes the requests `which` selects; the caller holds mutex_.
