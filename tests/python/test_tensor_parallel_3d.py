@@ -90,9 +90,7 @@ def three_d_trains_like_one_process(rank, world, backend):
     return grid.data_index, grid.pipeline_index, grid.tensor_index
 
 
-@pytest.mark.skip(reason="intermittent: in about 1 run of 3 one rank hangs after training, while its locals "
-                         "(the pipeline, the grid's C++ groups) are torn down, until the harness deadline; every "
-                         "rank's weights had matched. Run by hand until fixed (issue 14).")
-def test_data_pipeline_tensor_2x2x2_trains_like_one_process():
-    coordinates = run_on_ranks(8, three_d_trains_like_one_process, "gloo", deadline_s=300)
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_data_pipeline_tensor_2x2x2_trains_like_one_process(backend):
+    coordinates = run_on_ranks(8, three_d_trains_like_one_process, backend, deadline_s=180)
     assert coordinates == [(r // 4, r // 2 % 2, r % 2) for r in range(8)]

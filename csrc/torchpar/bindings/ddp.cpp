@@ -17,7 +17,7 @@ using torchpar::ddp::ReplicaCoordinator;
 
 void bind_ddp(py::module_& module) {
   auto ddp = module.def_submodule("ddp", "C++ DistributedDataParallel engine");
-  py::class_<ReplicaCoordinator>(ddp, "ReplicaCoordinator")
+  py::class_<ReplicaCoordinator>(ddp, "ReplicaCoordinator", py::release_gil_before_calling_cpp_dtor())
       .def(
           py::init([](ddp::NamedTensors parameters, ddp::NamedTensors buffers,
                       c10::intrusive_ptr<c10d::ProcessGroup> process_group, double bucket_cap_mb,
@@ -87,7 +87,8 @@ void bind_ddp(py::module_& module) {
           py::arg("process_group"), py::arg("matrix_approximation_rank"), py::arg("start_powerSGD_iter"),
           py::arg("min_compression_rate"), py::arg("use_error_feedback"), py::arg("warm_start"), py::arg("seed"))
       .def("bucket_indices", [](ReplicaCoordinator& self) { return self.reducer().bucket_indices(); })
-      .def_property_readonly("buckets_rebuilt", [](ReplicaCoordinator& self) { return self.reducer().buckets_rebuilt(); })
+      .def_property_readonly("buckets_rebuilt",
+                             [](ReplicaCoordinator& self) { return self.reducer().buckets_rebuilt(); })
       .def_property_readonly("timeline_path", [](ReplicaCoordinator& self) -> std::optional<std::string> {
         if (!self.timeline()) {
           return std::nullopt;

@@ -135,7 +135,7 @@ void bind_pipeline(py::module_& module) {
       .def_readonly("name", &pp::Layer::name)
       .def_readonly("parameters", &pp::Layer::parameters);
 
-  py::class_<pp::Pipeline>(pipeline, "Pipeline")
+  py::class_<pp::Pipeline>(pipeline, "Pipeline", py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](std::vector<pp::LayerFactory> factories, pp::LossFn loss,
                        c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                        c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group, const std::string& schedule,

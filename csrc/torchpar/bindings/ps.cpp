@@ -19,16 +19,6 @@ namespace ps = torchpar::ps;
 
 namespace {
 
-// The service's destructor finishes the worker and joins its channels' threads, which may be running a
-// Python future callback that needs the GIL: it runs without it.
-struct ReleaseGilDelete {
-  void operator()(ps::ParameterService* service) const {
-    py::gil_scoped_release release;
-    delete service;
-  }
-};
-using ServiceHolder = std::unique_ptr<ps::ParameterService, ReleaseGilDelete>;
-
 std::shared_ptr<torch::jit::PythonFutureWrapper> wrap(ps::Future future) {
   return std::make_shared<torch::jit::PythonFutureWrapper>(std::move(future));
 }
@@ -79,8 +69,9 @@ void bind_ps(py::module_& module) {
      "The first values of rows `ids` of a sparse table with `initializer` (float64 [n, dim]).");
   m.def("row_owner", &ps::row_owner, py::arg("id"), py::arg("num_servers"));
 
-  py::class_<ps::Client>(m, "Client")
-      .def("dense_table", &ps::Client::dense_table, py::arg("name"), py::arg("initial"), py::arg("optimizer"), Release())
+  py::class_<ps::Client>(m, "Client", py::release_gil_before_calling_cpp_dtor())
+      .def("dense_table", &ps::Client::dense_table, py::arg("name"), py::arg("initial"), py::arg("optimizer"),
+           Release())
       .def("sparse_table", &ps::Client::sparse_table, py::arg("name"), py::arg("num_rows"), py::arg("dim"),
            py::arg("optimizer"), py::arg("initializer") = ps::RowInitializer::zeros(),
            py::arg("dtype") = c10::kFloat, Release())
@@ -119,7 +110,7 @@ void bind_ps(py::module_& module) {
       .def_property_readonly("worker_index", &ps::Client::worker_index);
 
   // Both keep their client's Python object (and so the service) alive: keep_alive<1, 2>.
-  py::class_<ps::RemoteParameters>(m, "RemoteParameters")
+  py::class_<ps::RemoteParameters>(m, "RemoteParameters", py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](ps::Client& client, const std::vector<std::string>& names,
                        const std::vector<at::Tensor>& parameters, const ps::OptimizerConfig& optimizer,
                        const std::string& prefix, size_t bucket_cap_bytes) {
@@ -142,7 +133,8 @@ void bind_ps(py::module_& module) {
       .def_property_readonly("buckets", &ps::RemoteParameters::buckets)
       .def("remove_hooks", &ps::RemoteParameters::remove_hooks, Release());
 
-  py::class_<ps::EmbeddingImpl, std::shared_ptr<ps::EmbeddingImpl>>(m, "Embedding")
+  py::class_<ps::EmbeddingImpl, std::shared_ptr<ps::EmbeddingImpl>>(m, "Embedding",
+                                                                    py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](ps::Client& client, const std::string& name, int64_t num_rows, int64_t dim,
                        const ps::OptimizerConfig& optimizer, const ps::RowInitializer& initializer,
                        c10::ScalarType dtype) {
@@ -161,7 +153,7 @@ void bind_ps(py::module_& module) {
       .def("flush", &ps::EmbeddingImpl::flush, Release())
       .def_property_readonly("table", &ps::EmbeddingImpl::table);
 
-  py::class_<ps::ParameterService, ServiceHolder>(m, "ParameterService")
+  py::class_<ps::ParameterService>(m, "ParameterService", py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& world, int num_servers,
                        const std::string& consistency, int staleness, const std::string& checkpoint_dir,
                        int64_t checkpoint_every, std::optional<double> timeout_s, double stats_interval_s,
@@ -185,7 +177,7 @@ void bind_ps(py::module_& module) {
                });
              }
              py::gil_scoped_release release;
-             return ServiceHolder(new ps::ParameterService(world, options));
+             return std::make_unique<ps::ParameterService>(world, options);
            }),
            py::arg("world"), py::arg("num_servers"), py::arg("consistency"), py::arg("staleness"),
            py::arg("checkpoint_dir"), py::arg("checkpoint_every"), py::arg("timeout_s"), py::arg("stats_interval_s"),

@@ -128,7 +128,7 @@ void bind_tensor_parallel(py::module_& module) {
       .def(
           "fork", [](tp::TensorParallelRandom& self) { return SplitStream{&self, nullptr}; }, py::keep_alive<0, 1>());
 
-  py::class_<tp::ParallelGrid>(m, "ParallelGrid")
+  py::class_<tp::ParallelGrid>(m, "ParallelGrid", py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](const tp::Group& world, int data, int pipeline, int tensor, const std::string& backend,
                        std::optional<std::chrono::milliseconds> timeout) {
              comm::InitOptions options;
