@@ -14,6 +14,7 @@
 #include <torchpar/ps/remote_parameters.h>
 #include <torchpar/ps/service.h>
 #include <torchpar/tensor_parallel/cross_entropy.h>
+#include <torchpar/tensor_parallel/layer_norm.h>
 #include <torchpar/tensor_parallel/layers.h>
 #include <torchpar/tensor_parallel/parallel_grid.h>
 #include <torchpar/tensor_parallel/random.h>

@@ -29,6 +29,7 @@ __all__ = [
     "ColumnParallelLinear",
     "ParallelGrid",
     "RowParallelLinear",
+    "SequenceParallelLayerNorm",
     "TensorParallelRandom",
     "VocabParallelEmbedding",
     "clip_grad_norm_",
@@ -147,6 +148,25 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, ids [{self.vocab_range[0]}, {self.vocab_range[1]}) here"
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` for the sequence-parallel regions between tensor-parallel layers.
+
+    Each rank normalises its own slice of the sequence with the same (replicated) weight and bias; their
+    gradients are summed over ``group`` in backward, so the ranks' copies stay equal after every step.
+    Dropout in these regions belongs in :meth:`TensorParallelRandom.fork` (different positions, different
+    masks).
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, *,
+                 group: Optional[dist.ProcessGroup] = None, **factory):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, **factory)
+        self.group = _group(group)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _engine.sequence_parallel_layer_norm(input, list(self.normalized_shape), self.weight, self.bias,
+                                                    self.eps, self.group)
 
 
 def parameter_layouts(module: nn.Module) -> list[tuple[str, nn.Parameter, int]]:

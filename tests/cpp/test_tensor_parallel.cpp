@@ -1,6 +1,6 @@
 // tensor_parallel from C++: the layers and the vocabulary-parallel loss on forked ranks against
 // torch::nn's single-process layers (float64), and the 3-D grid's groups. The Python suite
-// (tests/python/test_tensor_parallel.py) covers sizes 1-4 and sequence parallelism.
+// (tests/python/test_tensor_parallel.py) covers sizes 1-4.
 #include "catch_with_torch.h"
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/arange.h>
@@ -17,6 +17,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include <torchpar/tensor_parallel/cross_entropy.h>
+#include <torchpar/tensor_parallel/layer_norm.h>
 #include <torchpar/tensor_parallel/layers.h>
 #include <torchpar/tensor_parallel/parallel_grid.h>
 #include <torchpar/tensor_parallel/sharded_parameters.h>
@@ -80,6 +81,36 @@ TEST_CASE("tensor parallel: a column-row MLP, an embedding and the vocabulary-pa
     losses_ref.sum().backward();
     CHECK(close(logits.grad(), shard(logits_ref.grad(), 1, rank, world)));
   }, options);
+}
+
+TEST_CASE("tensor parallel: a sequence-parallel LayerNorm-MLP region equals torch::nn on the whole sequence",
+          "[tensor_parallel]") {
+  run_on_ranks(2, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    c10::set_default_dtype(caffe2::TypeMeta::Make<double>());
+    torch::manual_seed(0);
+    tp::SequenceParallelLayerNorm norm(pg, torch::nn::LayerNormOptions({8}));
+    tp::ColumnParallelLinear up(pg, tp::ColumnParallelLinearOptions(8, 12).sequence_parallel(true));
+    tp::RowParallelLinear down(pg, tp::RowParallelLinearOptions(12, 8).sequence_parallel(true));
+    torch::manual_seed(0);
+    torch::nn::LayerNorm norm_ref(torch::nn::LayerNormOptions({8}));
+    torch::nn::Linear up_ref(8, 12), down_ref(12, 8);
+
+    // [sequence, batch, features]; each rank holds its half of the sequence.
+    const auto x = at::randn({6, 2, 8}, at::TensorOptions().dtype(at::kDouble));
+    auto x_mine = shard(x, 0, rank, world).clone().requires_grad_(true);
+    auto x_ref = x.clone().requires_grad_(true);
+    auto y = down->forward(at::gelu(up->forward(norm->forward(x_mine))));
+    auto y_ref = down_ref->forward(at::gelu(up_ref->forward(norm_ref->forward(x_ref))));
+    CHECK(close(y, shard(y_ref, 0, rank, world)));
+    (y * at::arange(8)).sum().backward();
+    (y_ref * at::arange(8)).sum().backward();
+    CHECK(close(x_mine.grad(), shard(x_ref.grad(), 0, rank, world)));
+    // The replicated parameters' gradients cover the whole sequence, not this rank's half.
+    CHECK(close(norm->weight.grad(), norm_ref->weight.grad()));
+    CHECK(close(norm->bias.grad(), norm_ref->bias.grad()));
+    CHECK(close(down->bias.grad(), down_ref->bias.grad()));
+    CHECK(close(up->weight.grad(), shard(up_ref->weight.grad(), 0, rank, world)));
+  });
 }
 
 TEST_CASE("tensor parallel: a 2 x 1 x 2 grid puts tensor groups innermost", "[tensor_parallel]") {

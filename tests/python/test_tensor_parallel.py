@@ -45,21 +45,31 @@ def layers_equal_single_process(rank, world, backend):
     ids = torch.randint(0, VOCAB, (SEQ, BATCH), generator=generator)
     targets = torch.randint(0, VOCAB, (SEQ, BATCH), generator=generator)
 
+    # LayerNorm before the MLP: replicated without sequence parallelism, its gradient summed over the
+    # ranks' positions with it.
+    norms = {False: nn.LayerNorm(IN), True: tp.SequenceParallelLayerNorm(IN, group=group)}
+    norm_ref = nn.LayerNorm(IN)
+    for norm in (*norms.values(), norm_ref):
+        with torch.no_grad():
+            norm.weight.copy_(torch.linspace(0.5, 1.5, IN))
+            norm.bias.copy_(torch.linspace(-0.2, 0.2, IN))
+
     for sequence_parallel in (False, True):
-        for module in (up, down, embedding, head):
+        norm = norms[sequence_parallel]
+        for module in (up, down, embedding, head, norm):
             module.sequence_parallel = sequence_parallel
             for p in module.parameters():
                 p.grad = None
-        for module in (up_ref, down_ref, embedding_ref, head_ref):
+        for module in (up_ref, down_ref, embedding_ref, head_ref, norm_ref):
             module.zero_grad(set_to_none=True)
         what = f"sequence_parallel={sequence_parallel}"
 
-        # MLP: column -> GELU -> row, and the reference.
+        # LayerNorm -> column -> GELU -> row, and the reference.
         x_ref = x.clone().requires_grad_()
-        y_ref = down_ref(F.gelu(up_ref(x_ref)))
+        y_ref = down_ref(F.gelu(up_ref(norm_ref(x_ref))))
         (y_ref * torch.arange(OUT)).sum().backward()
         x_mine = (shard(x, 0, rank, world) if sequence_parallel else x).clone().requires_grad_()
-        y = down(F.gelu(up(x_mine)))
+        y = down(F.gelu(up(norm(x_mine))))
         close(y, shard(y_ref, 0, rank, world) if sequence_parallel else y_ref, f"MLP output, {what}")
         (y * torch.arange(OUT)).sum().backward()
         close(x_mine.grad, shard(x_ref.grad, 0, rank, world) if sequence_parallel else x_ref.grad,
@@ -68,6 +78,8 @@ def layers_equal_single_process(rank, world, backend):
         close(up.bias.grad, shard(up_ref.bias.grad, 0, rank, world), f"column bias gradient, {what}")
         close(down.weight.grad, shard(down_ref.weight.grad, 1, rank, world), f"row weight gradient, {what}")
         close(down.bias.grad, down_ref.bias.grad, f"row bias gradient, {what}")
+        close(norm.weight.grad, norm_ref.weight.grad, f"LayerNorm weight gradient, {what}")
+        close(norm.bias.grad, norm_ref.bias.grad, f"LayerNorm bias gradient, {what}")
 
         # Embedding -> vocabulary-parallel head -> vocabulary-parallel loss.
         hidden_ref = embedding_ref(ids)

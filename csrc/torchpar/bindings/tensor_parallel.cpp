@@ -3,6 +3,7 @@
 #include <torchpar/bindings/bindings.h>
 
 #include <torchpar/tensor_parallel/cross_entropy.h>
+#include <torchpar/tensor_parallel/layer_norm.h>
 #include <torchpar/tensor_parallel/layers.h>
 #include <torchpar/tensor_parallel/parallel_grid.h>
 #include <torchpar/tensor_parallel/random.h>
@@ -95,6 +96,15 @@ void bind_tensor_parallel(py::module_& module) {
       py::arg("sequence_parallel"), py::arg("name"), Release());
   m.def("vocab_parallel_embedding", &tp::vocab_parallel_embedding, py::arg("ids"), py::arg("weight"),
         py::arg("group"), py::arg("num_embeddings"), py::arg("sequence_parallel"), py::arg("name"), Release());
+  m.def(
+      "sequence_parallel_layer_norm",
+      [](const at::Tensor& input, std::vector<int64_t> normalized_shape, const std::optional<at::Tensor>& weight,
+         const std::optional<at::Tensor>& bias, double eps, const tp::Group& group) {
+        return tp::sequence_parallel_layer_norm(input, normalized_shape, tensor_or_undefined(weight),
+                                                tensor_or_undefined(bias), eps, group);
+      },
+      py::arg("input"), py::arg("normalized_shape"), py::arg("weight"), py::arg("bias"), py::arg("eps"),
+      py::arg("group"), Release());
 
   m.def("all_gather", &tp::collectives::all_gather, py::arg("input"), py::arg("dim"), py::arg("group"), Release());
   m.def(
