@@ -51,6 +51,12 @@ else
   log "writing data/digits.pt (scikit-learn's digits, fixed 80/20 split)"
   $PYTHON scripts/export_digits.py
 fi
+if [ -f data/docstrings.txt ]; then
+  log "data/docstrings.txt present"
+else
+  log "writing data/docstrings.txt (docstrings of Python's standard library, for the GPT examples)"
+  $PYTHON scripts/export_text.py
+fi
 
 # 4. Build (CMake: library, Python extension, tests, examples) and install.
 log "building in build/"

@@ -1,11 +1,15 @@
 """The training examples, launched as users launch them: DDP, pipeline and parameter-server ones reach 95% held-out
-accuracy on the digits, the click-through one learns and its servers hold only the embedding rows it used."""
+accuracy on the digits, the click-through one learns and its servers hold only the embedding rows it used, and the
+GPT trains with the same loss curve on a 2 x 2 x 2 grid as on one process, in Python and in C++."""
+import json
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
-from test_torchrun import ROOT, torchrun
+from test_torchrun import ROOT, clean_env, torchrun
 
 DIGITS = ROOT / "data" / "digits.pt"
 
@@ -156,3 +160,71 @@ def test_python_train_ctr_learns_and_holds_only_touched_rows(free_port, servers)
         assert 2 * 16 * 4 <= bytes_per_row <= 2 * (2 * 16 * 4 + 8) + 64, output
     assert 2 * 16 * 4 <= int(per_row) <= 2 * (2 * 16 * 4 + 8) + 64
     assert float(megabytes) * 1e6 < 1e-3 * num_rows * 16 * 4
+
+
+TEXT = ROOT / "data" / "docstrings.txt"
+GPT_RESULT = re.compile(r"train_gpt: (\d+) ranks = (\d+) data x (\d+) pipeline x (\d+) tensor, .*"
+                        r"loss ([\d.]+) -> ([\d.]+) \(first and last 10 steps\), held-out loss ([\d.]+)")
+GPT_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def text() -> pathlib.Path:
+    assert TEXT.exists(), f"{TEXT} is missing: scripts/setup.sh writes it (scripts/export_text.py)"
+    return TEXT
+
+
+def gpt_losses(command: list, tmp_path: pathlib.Path, grid: tuple, **env) -> list[float]:
+    """Runs a train_gpt; checks its result line (this grid, the loss falling); the loss of every step."""
+    losses = tmp_path / f"losses-{'x'.join(map(str, grid))}.json"
+    result = (torchrun(*command, "--losses", losses, **env) if str(command[0]).startswith("--nproc")
+              else subprocess.run([*map(str, command), "--losses", str(losses)], capture_output=True, text=True,
+                                  timeout=300, env=clean_env(**env)))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    lines = GPT_RESULT.findall(output)
+    assert len(lines) == 1, output  # rank 0 only
+    world, *sizes = map(int, lines[0][:4])
+    assert (world, *sizes) == (grid[0] * grid[1] * grid[2], *grid)
+    first, last = map(float, lines[0][4:6])
+    assert last < first - 0.3, output
+    return json.loads(losses.read_text())
+
+
+def same_curve(losses, reference, what):
+    assert len(losses) == len(reference) == GPT_STEPS
+    worst = max(abs(a - b) / b for a, b in zip(losses, reference))
+    assert worst < 1e-5, f"{what}: loss curves differ by up to {worst:.2e} (relative)"
+
+
+@pytest.fixture(scope="module")
+def python_gpt_on_one_process(text, tmp_path_factory) -> list[float]:
+    script = ROOT / "examples" / "python" / "train_gpt.py"
+    return gpt_losses([sys.executable, script, "--steps", GPT_STEPS], tmp_path_factory.mktemp("gpt"), (1, 1, 1))
+
+
+def test_python_train_gpt_on_2x2x2_follows_the_one_process_curve(python_gpt_on_one_process, free_port, tmp_path):
+    script = ROOT / "examples" / "python" / "train_gpt.py"
+    losses = gpt_losses(["--nproc-per-node=8", f"--master-port={free_port}", script, "--data-parallel", 2,
+                         "--pipeline", 2, "--tensor", 2, "--backend", "shm", "--steps", GPT_STEPS], tmp_path, (2, 2, 2))
+    same_curve(losses, python_gpt_on_one_process, "Python, 2 x 2 x 2 on shm against one process")
+
+
+def test_cpp_train_gpt_follows_the_same_curve(build_dir, python_gpt_on_one_process, free_port, tmp_path):
+    """C++ on one process and on 2 x 2 x 2 (gloo): the same model, so the same curve as Python's."""
+    binary = build_dir / "examples" / "cpp" / "train_gpt"
+    alone = gpt_losses([binary, "--steps", GPT_STEPS], tmp_path, (1, 1, 1))
+    same_curve(alone, python_gpt_on_one_process, "C++ against Python, one process")
+    grid = gpt_losses(["--nproc-per-node=8", f"--master-port={free_port}", "--no-python", binary, "--data-parallel",
+                       2, "--pipeline", 2, "--tensor", 2, "--steps", GPT_STEPS], tmp_path, (2, 2, 2))
+    same_curve(grid, alone, "C++, 2 x 2 x 2 on gloo against one process")
+
+
+@pytest.mark.parametrize("language", ["python", "cpp"])
+def test_train_gpt_refuses_a_grid_that_does_not_fit(build_dir, language):
+    program = ([sys.executable, ROOT / "examples" / "python" / "train_gpt.py"] if language == "python"
+               else [build_dir / "examples" / "cpp" / "train_gpt"])
+    result = subprocess.run([*map(str, program), "--tensor", "3"], capture_output=True, text=True, timeout=120,
+                            env=clean_env())
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--tensor" in result.stderr and "1 ranks" in result.stderr, result.stderr
