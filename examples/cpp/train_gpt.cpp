@@ -233,7 +233,7 @@ int main(int argc, char** argv) {
   at::Tensor text;
   try {
     a = parse(argc, argv);
-    auto options = torchpar::comm::InitOptions().backend(a.backend);
+    auto options = torchpar::InitOptions().backend(a.backend);
     if (std::getenv("RANK") == nullptr) { // one process on its own
       options.rank(0).world_size(1).store(c10::make_intrusive<c10d::HashStore>());
     }
@@ -255,7 +255,7 @@ int main(int argc, char** argv) {
   const auto held_out_text = text.narrow(0, held_out_from, text.size(0) - held_out_from);
 
   torchpar::ParallelGrid grid(world_group, a.data_parallel, a.pipeline, a.tensor,
-                              torchpar::comm::InitOptions().backend(a.backend));
+                              torchpar::InitOptions().backend(a.backend));
   const auto& tensor = grid.tensor_group();
   auto model = std::make_shared<torch::nn::Module>(); // this rank's layers
   auto factories = layer_factories(a, tensor, model);

@@ -23,6 +23,7 @@ trains the same model, and the loss curve equals the one-process run's up to flo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -149,6 +150,11 @@ def layer_factories(args: argparse.Namespace, tensor: dist.ProcessGroup) -> list
     return [seeded(index, build) for index, build in enumerate(builders)]
 
 
+def mean_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The mean next-byte loss from logits split over the vocabulary, without gathering them."""
+    return tp.vocab_parallel_cross_entropy(logits, targets, group).mean()
+
+
 def even_balance(layers: int, stages: int) -> list[int]:
     """Layers per stage, as even as counts allow. Given explicitly: balancing by parameters or time would
     build every layer on every rank, and a tensor-parallel layer's constructor is collective."""
@@ -199,7 +205,7 @@ def main() -> int:
     tensor = grid.tensor_group
     factories = layer_factories(args, tensor)
     pipe = torchpar.pipeline.Pipeline(
-        factories, lambda logits, targets: tp.vocab_parallel_cross_entropy(logits, targets, tensor).mean(),
+        factories, functools.partial(mean_loss, group=tensor),
         microbatches=args.microbatches, schedule="1f1b", balance=even_balance(len(factories), args.pipeline),
         process_group=grid.pipeline_group, data_parallel_group=grid.data_group)
     model = nn.ModuleDict(pipe.stage_modules)  # this rank's stages
@@ -238,7 +244,7 @@ def main() -> int:
     held_out = torch.tensor([-math.inf])
     logits = pipe.forward(inputs)
     if pipe.is_last_stage:
-        held_out.fill_(float(tp.vocab_parallel_cross_entropy(logits, targets, tensor).mean()))
+        held_out.fill_(float(mean_loss(logits, targets, tensor)))
     dist.all_reduce(held_out, op=dist.ReduceOp.MAX)
     first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
     if rank == 0:

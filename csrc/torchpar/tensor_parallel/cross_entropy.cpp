@@ -1,5 +1,7 @@
 #include <torchpar/tensor_parallel/cross_entropy.h>
 
+#include <torchpar/tensor_parallel/vocabulary.h>
+
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -22,12 +24,7 @@ struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParalle
                 "vocab_parallel_cross_entropy: logits of shape ", logits.sizes(), " (this rank's ", local_vocabulary,
                 " of ", vocabulary, " ids) need targets of shape ", logits.sizes().slice(0, logits.dim() - 1),
                 ", got ", target.sizes());
-    if (target.numel() > 0) {
-      const int64_t lowest = target.min().item<int64_t>();
-      const int64_t highest = target.max().item<int64_t>();
-      TORCH_CHECK(lowest >= 0 && highest < vocabulary, "vocab_parallel_cross_entropy: target ",
-                  lowest < 0 ? lowest : highest, " is out of range [0, ", vocabulary, ") of the vocabulary");
-    }
+    check_in_vocabulary(target, vocabulary, "vocab_parallel_cross_entropy", "target");
     const auto local_max = std::get<0>(logits.detach().max(-1));
     const auto shifted = logits.detach() - collectives::all_reduce_max(local_max, group).unsqueeze(-1);
     const auto outside = (target < begin).logical_or(target >= begin + local_vocabulary);

@@ -44,11 +44,6 @@ void check_same_layer(const Group& group, const std::string& name, const std::ve
 
 } // namespace
 
-std::pair<int64_t, int64_t> vocab_range(int64_t num_embeddings, int rank, int size) {
-  const int64_t per_rank = num_embeddings / size;
-  return {rank * per_rank, (rank + 1) * per_rank};
-}
-
 LinearShards column_parallel_shards(const Group& group, int64_t in_features, int64_t out_features, bool bias,
                                     const std::string& name) {
   const int size = group_size(group);
@@ -121,12 +116,7 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& wei
                                     int64_t num_embeddings, bool sequence_parallel, const std::string& name) {
   TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, name,
               ": ids must be int64 or int32, got ", ids.scalar_type());
-  if (ids.numel() > 0) {
-    const int64_t lowest = ids.min().item<int64_t>();
-    const int64_t highest = ids.max().item<int64_t>();
-    TORCH_CHECK(lowest >= 0 && highest < num_embeddings, name, ": id ", lowest < 0 ? lowest : highest,
-                " is out of range [0, ", num_embeddings, ") of the vocabulary");
-  }
+  check_in_vocabulary(ids, num_embeddings, name, "id");
   const auto [begin, end] = vocab_range(num_embeddings, group_rank(group), group_size(group));
   // Ids of other ranks' rows look up row 0 and are zeroed: after the reduction each position holds
   // exactly its owner's row.

@@ -13,6 +13,7 @@
 // one all-reduce in forward and one in backward.
 #pragma once
 #include <torchpar/tensor_parallel/mappings.h>
+#include <torchpar/tensor_parallel/vocabulary.h>
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
@@ -111,8 +112,6 @@ LinearShards row_parallel_shards(const Group& group, int64_t in_features, int64_
                                  const std::string& name);
 at::Tensor vocab_parallel_shard(const Group& group, int64_t num_embeddings, int64_t embedding_dim,
                                 const std::string& name);
-// The ids [begin, end) of a vocabulary of `num_embeddings` that rank `rank` of `size` holds.
-std::pair<int64_t, int64_t> vocab_range(int64_t num_embeddings, int rank, int size);
 
 // The layers' forward passes as functions of their shards: what the modules above and the Python
 // modules (torchpar.tensor_parallel) both run.
