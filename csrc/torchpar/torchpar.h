@@ -10,6 +10,8 @@
 #include <torchpar/pipeline/partition.h>
 #include <torchpar/pipeline/pipeline.h>
 #include <torchpar/pipeline/simulator.h>
+#include <torchpar/plan/planner.h>
+#include <torchpar/plan/profile.h>
 #include <torchpar/ps/embedding.h>
 #include <torchpar/ps/remote_parameters.h>
 #include <torchpar/ps/service.h>

@@ -1,0 +1,125 @@
+// torchpar._C.plan: the planner's profile, cost model and search under python/torchpar/plan.
+#include <torchpar/bindings/bindings.h>
+
+#include <torchpar/plan/planner.h>
+#include <torchpar/plan/profile.h>
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace torchpar::bindings {
+
+namespace py = pybind11;
+namespace plan = torchpar::plan;
+
+void bind_plan(py::module_& module) {
+  auto m = module.def_submodule("plan", "C++ planner: profile, cost model, search");
+  using Release = py::call_guard<py::gil_scoped_release>;
+
+  py::class_<plan::LayerProfile>(m, "LayerProfile")
+      .def(py::init<>())
+      .def_readwrite("name", &plan::LayerProfile::name)
+      .def_readwrite("forward_ms", &plan::LayerProfile::forward_ms)
+      .def_readwrite("backward_input_ms", &plan::LayerProfile::backward_input_ms)
+      .def_readwrite("backward_weight_ms", &plan::LayerProfile::backward_weight_ms)
+      .def_readwrite("forward_overhead_ms", &plan::LayerProfile::forward_overhead_ms)
+      .def_readwrite("backward_input_overhead_ms", &plan::LayerProfile::backward_input_overhead_ms)
+      .def_readwrite("backward_weight_overhead_ms", &plan::LayerProfile::backward_weight_overhead_ms)
+      .def_readwrite("parameter_bytes", &plan::LayerProfile::parameter_bytes)
+      .def_readwrite("activation_bytes", &plan::LayerProfile::activation_bytes)
+      .def_readwrite("output_bytes", &plan::LayerProfile::output_bytes);
+  py::class_<plan::ModelProfile>(m, "ModelProfile")
+      .def(py::init<>())
+      .def_readwrite("batch", &plan::ModelProfile::batch)
+      .def_readwrite("layers", &plan::ModelProfile::layers)
+      .def_property_readonly("parameter_bytes", &plan::ModelProfile::parameter_bytes);
+  py::class_<plan::LinkCost>(m, "LinkCost")
+      .def(py::init<>())
+      .def_readwrite("alpha_ms", &plan::LinkCost::alpha_ms)
+      .def_readwrite("ms_per_byte", &plan::LinkCost::ms_per_byte)
+      .def("milliseconds", &plan::LinkCost::milliseconds, py::arg("bytes"));
+  py::class_<plan::NetworkProfile>(m, "NetworkProfile")
+      .def(py::init<>())
+      .def_readwrite("all_reduce", &plan::NetworkProfile::all_reduce)
+      .def_readwrite("send_recv", &plan::NetworkProfile::send_recv);
+  py::class_<plan::Calibration>(m, "Calibration")
+      .def(py::init<>())
+      .def_readwrite("compute_scale", &plan::Calibration::compute_scale)
+      .def_readwrite("per_action_ms", &plan::Calibration::per_action_ms)
+      .def_readwrite("per_transfer_ms", &plan::Calibration::per_transfer_ms)
+      .def_readwrite("per_step_ms", &plan::Calibration::per_step_ms);
+  py::class_<plan::TrainingSetup>(m, "TrainingSetup")
+      .def(py::init<>())
+      .def_readwrite("batch", &plan::TrainingSetup::batch)
+      .def_readwrite("optimizer_state_factor", &plan::TrainingSetup::optimizer_state_factor)
+      .def_readwrite("optimizer_ms_per_byte", &plan::TrainingSetup::optimizer_ms_per_byte);
+  py::enum_<plan::Strategy>(m, "Strategy")
+      .value("ddp", plan::Strategy::DataParallel)
+      .value("pipeline", plan::Strategy::Pipeline)
+      .value("ps", plan::Strategy::ParameterServer);
+  py::class_<plan::Configuration>(m, "Configuration")
+      .def(py::init<>())
+      .def_readwrite("strategy", &plan::Configuration::strategy)
+      .def_readwrite("world", &plan::Configuration::world)
+      .def_readwrite("replicas", &plan::Configuration::replicas)
+      .def_property(
+          "schedule", [](const plan::Configuration& c) { return pipeline::schedule_name(c.schedule); },
+          [](plan::Configuration& c, const std::string& name) { c.schedule = pipeline::parse_schedule(name); })
+      .def_readwrite("microbatches", &plan::Configuration::microbatches)
+      .def_readwrite("virtual_stages", &plan::Configuration::virtual_stages)
+      .def_readwrite("balance", &plan::Configuration::balance)
+      .def_readwrite("servers", &plan::Configuration::servers)
+      .def_readwrite("synchronous", &plan::Configuration::synchronous)
+      .def("describe", &plan::Configuration::describe);
+  py::class_<plan::Prediction>(m, "Prediction")
+      .def_readonly("configuration", &plan::Prediction::configuration)
+      .def_readonly("step_ms", &plan::Prediction::step_ms)
+      .def_readonly("samples_per_second", &plan::Prediction::samples_per_second)
+      .def_readonly("compute_ms", &plan::Prediction::compute_ms)
+      .def_readonly("exposed_comm_ms", &plan::Prediction::exposed_comm_ms)
+      .def_readonly("bubble_fraction", &plan::Prediction::bubble_fraction)
+      .def_readonly("memory_per_rank", &plan::Prediction::memory_per_rank)
+      .def_readonly("bytes_per_step", &plan::Prediction::bytes_per_step)
+      .def_readonly("balance", &plan::Prediction::balance);
+  py::class_<plan::Excluded>(m, "Excluded")
+      .def_readonly("configuration", &plan::Excluded::configuration)
+      .def_readonly("reason", &plan::Excluded::reason);
+  py::class_<plan::Plan>(m, "Plan")
+      .def_readonly("ranked", &plan::Plan::ranked)
+      .def_readonly("excluded", &plan::Plan::excluded)
+      .def_readonly("recommended_cpp", &plan::Plan::recommended_cpp)
+      .def_readonly("recommended_python", &plan::Plan::recommended_python);
+
+  m.def("predict", &plan::predict, py::arg("model"), py::arg("network"), py::arg("setup"), py::arg("configuration"),
+        py::arg("calibration") = plan::Calibration());
+  m.def(
+      "plan",
+      [](const plan::ModelProfile& model, const plan::NetworkProfile& network, const plan::TrainingSetup& setup,
+         const plan::Calibration& calibration, int world, int64_t memory_per_rank, std::vector<int> microbatches) {
+        return plan::Planner(model, network, setup, calibration)
+            .plan(plan::PlanOptions().world(world).memory_per_rank(memory_per_rank).microbatches(microbatches));
+      },
+      py::arg("model"), py::arg("network"), py::arg("setup"), py::arg("calibration"), py::arg("world"),
+      py::arg("memory_per_rank"), py::arg("microbatches"));
+  m.def("fit_calibration", &plan::fit_calibration, py::arg("model"), py::arg("network"), py::arg("setup"),
+        py::arg("configurations"), py::arg("measured_ms"));
+  m.def("render_table", &plan::render_table, py::arg("plan"));
+  m.def("format_bytes", &plan::format_bytes, py::arg("bytes"));
+  m.def(
+      "profile_layers",
+      [](const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample, int repeats) {
+        plan::TrainingSetup setup;
+        plan::ModelProfile model;
+        {
+          py::gil_scoped_release release;  // autograd runs without it; the Python layers take it back
+          model = plan::profile_layers(factories, sample, repeats, &setup);
+        }
+        return py::make_tuple(model, setup.optimizer_ms_per_byte);
+      },
+      py::arg("factories"), py::arg("sample"), py::arg("repeats"));
+  m.def("measure_network", &plan::measure_network, py::arg("group"), py::arg("sizes_bytes"), py::arg("repeats"),
+        Release());
+}
+
+} // namespace torchpar::bindings

@@ -1,0 +1,210 @@
+#include <torchpar/plan/profile.h>
+
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+
+namespace torchpar::plan {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double elapsed_ms(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> values) {
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
+
+int64_t bytes_of(const pipeline::Tensors& tensors) {
+  int64_t bytes = 0;
+  for (const auto& tensor : tensors) bytes += static_cast<int64_t>(tensor.nbytes());
+  return bytes;
+}
+
+// The median of `repeats` timed runs of `run`, after one untimed (allocations, lazy initialisation).
+double median_ms(int repeats, const std::function<void()>& run) {
+  run();
+  std::vector<double> samples;
+  for (int i = 0; i < repeats; ++i) {
+    const auto start = Clock::now();
+    run();
+    samples.push_back(elapsed_ms(start));
+  }
+  return median(samples);
+}
+
+// One pass of profiling at the sample's batch; `parameters` collects the layers' parameters.
+ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample,
+                        int repeats, std::vector<at::Tensor>& all_parameters) {
+  ModelProfile model;
+  model.batch = sample[0].size(0);
+  pipeline::Tensors current = sample;
+  for (size_t index = 0; index < factories.size(); ++index) {
+    pipeline::Layer layer = factories[index]();
+    pipeline::Tensors inputs, differentiable;
+    for (const auto& tensor : current) {
+      const bool floating = c10::isFloatingType(tensor.scalar_type());
+      inputs.push_back(floating ? tensor.detach().requires_grad_(true) : tensor);
+      if (floating) differentiable.push_back(inputs.back());
+    }
+    LayerProfile profile;
+    profile.name = layer.name;
+    for (const auto& parameter : layer.parameters) profile.parameter_bytes += static_cast<int64_t>(parameter.nbytes());
+    pipeline::Tensors outputs;
+    profile.forward_ms = median_ms(repeats, [&] { outputs = layer.forward(inputs); });
+    pipeline::Tensors roots, seeds;
+    for (const auto& output : outputs) {
+      if (output.requires_grad()) {
+        roots.push_back(output);
+        seeds.push_back(at::ones_like(output));
+      }
+    }
+    if (!roots.empty()) {
+      // Each timed backward gets a fresh graph: its forward runs outside the timing.
+      const auto backward_ms = [&](const std::function<void(const pipeline::Tensors&)>& backward) {
+        std::vector<double> samples;
+        for (int run = 0; run <= repeats; ++run) {
+          const auto fresh = layer.forward(inputs);
+          pipeline::Tensors fresh_roots;
+          for (const auto& output : fresh) {
+            if (output.requires_grad()) fresh_roots.push_back(output);
+          }
+          const auto start = Clock::now();
+          backward(fresh_roots);
+          if (run > 0) samples.push_back(elapsed_ms(start));
+        }
+        return median(samples);
+      };
+      const double whole = backward_ms([&](const pipeline::Tensors& r) { torch::autograd::backward(r, seeds); });
+      const double input_only =
+          differentiable.empty() ? 0.0 : backward_ms([&](const pipeline::Tensors& r) {
+            torch::autograd::grad(r, differentiable, seeds, /*retain_graph=*/false, /*create_graph=*/false,
+                                  /*allow_unused=*/true);
+          });
+      profile.backward_input_ms = std::min(input_only, whole);
+      profile.backward_weight_ms = layer.parameters.empty() ? 0.0 : whole - profile.backward_input_ms;
+      if (layer.parameters.empty()) profile.backward_input_ms = whole;
+    }
+    profile.output_bytes = bytes_of(outputs);
+    profile.activation_bytes = bytes_of(inputs) + profile.output_bytes;
+    model.layers.push_back(profile);
+    for (auto& parameter : layer.parameters) {
+      all_parameters.push_back(parameter);
+      parameter.mutable_grad() = at::Tensor();
+    }
+    current.clear();
+    for (const auto& output : outputs) current.push_back(output.detach());
+  }
+  return model;
+}
+
+// The intercept at 0 samples of the line through (small, at_small) and (batch, at_batch), within [0, at_batch].
+double overhead_ms(double at_batch, double at_small, int64_t batch, int64_t small) {
+  const double slope = (at_batch - at_small) / static_cast<double>(batch - small);
+  return std::clamp(at_batch - slope * static_cast<double>(batch), 0.0, at_batch);
+}
+
+} // namespace
+
+ModelProfile profile_layers(const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample,
+                            int repeats, TrainingSetup* setup) {
+  TORCH_CHECK(!sample.empty() && sample[0].dim() > 0, "plan: the sample needs a batch dimension");
+  TORCH_CHECK(repeats > 0, "plan: repeats must be positive");
+  std::vector<at::Tensor> all_parameters, unused;
+  ModelProfile model = profile_at(factories, sample, repeats, all_parameters);
+  const int64_t small = model.batch / 8;
+  if (small >= 1) {
+    pipeline::Tensors fewer;
+    for (const auto& tensor : sample) fewer.push_back(tensor.narrow(0, 0, small));
+    const ModelProfile few = profile_at(factories, fewer, repeats, unused);
+    for (size_t i = 0; i < model.layers.size(); ++i) {
+      auto& layer = model.layers[i];
+      const auto& at_small = few.layers[i];
+      layer.forward_overhead_ms = overhead_ms(layer.forward_ms, at_small.forward_ms, model.batch, small);
+      layer.backward_input_overhead_ms =
+          overhead_ms(layer.backward_input_ms, at_small.backward_input_ms, model.batch, small);
+      layer.backward_weight_overhead_ms =
+          overhead_ms(layer.backward_weight_ms, at_small.backward_weight_ms, model.batch, small);
+    }
+  }
+  if (setup != nullptr && model.parameter_bytes() > 0) {
+    std::vector<at::Tensor> copies;
+    for (const auto& parameter : all_parameters) {
+      auto copy = parameter.detach().clone().requires_grad_(true);
+      copy.mutable_grad() = at::ones_like(copy);
+      copies.push_back(copy);
+    }
+    torch::optim::SGD optimizer(copies, torch::optim::SGDOptions(1e-6).momentum(0.9));
+    setup->optimizer_ms_per_byte =
+        median_ms(repeats, [&] { optimizer.step(); }) / static_cast<double>(model.parameter_bytes());
+  }
+  return model;
+}
+
+LinkCost fit_link_cost(const std::vector<double>& bytes, const std::vector<double>& milliseconds) {
+  TORCH_CHECK(bytes.size() == milliseconds.size() && !bytes.empty(), "fit_link_cost: one time per size");
+  const auto n = static_cast<double>(bytes.size());
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    sx += bytes[i];
+    sy += milliseconds[i];
+    sxx += bytes[i] * bytes[i];
+    sxy += bytes[i] * milliseconds[i];
+  }
+  LinkCost cost;
+  const double spread = n * sxx - sx * sx;
+  cost.ms_per_byte = spread > 0 ? std::max(0.0, (n * sxy - sx * sy) / spread) : 0.0;
+  cost.alpha_ms = std::max(0.0, (sy - cost.ms_per_byte * sx) / n);
+  return cost;
+}
+
+NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                               const std::vector<int64_t>& sizes_bytes, int repeats) {
+  NetworkProfile network;
+  if (group->getSize() < 2) return network;
+  const int rank = group->getRank();
+  // The slowest rank's time: every rank's median, maximised over the group.
+  const auto slowest = [&](double mine) {
+    std::vector<at::Tensor> value{at::full({1}, mine, at::kDouble)};
+    group->allreduce(value, {c10d::ReduceOp::MAX})->wait();
+    return value[0].item<double>();
+  };
+  std::vector<double> sizes, all_reduce_ms, transfer_ms;
+  for (const int64_t size : sizes_bytes) {
+    std::vector<at::Tensor> buffer{at::zeros({std::max<int64_t>(1, size / 4)}, at::kFloat)};
+    group->barrier()->wait();
+    const double reduce = median_ms(repeats, [&] { group->allreduce(buffer)->wait(); });
+    group->barrier()->wait();
+    double pingpong = 0;
+    if (rank < 2) {
+      pingpong = median_ms(repeats, [&] {
+        if (rank == 0) {
+          group->send(buffer, 1, 0)->wait();
+          group->recv(buffer, 1, 0)->wait();
+        } else {
+          group->recv(buffer, 0, 0)->wait();
+          group->send(buffer, 0, 0)->wait();
+        }
+      }) / 2;
+    }
+    sizes.push_back(static_cast<double>(buffer[0].nbytes()));
+    all_reduce_ms.push_back(slowest(reduce));
+    transfer_ms.push_back(slowest(pingpong));
+  }
+  network.all_reduce = fit_link_cost(sizes, all_reduce_ms);
+  network.send_recv = fit_link_cost(sizes, transfer_ms);
+  return network;
+}
+
+} // namespace torchpar::plan

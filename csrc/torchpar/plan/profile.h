@@ -1,0 +1,32 @@
+// What the planner measures: each layer of a model (times, parameter, activation and output bytes) and
+// the process group's operations (α + β · bytes of all-reduce and of a transfer between two ranks).
+#pragma once
+#include <torchpar/pipeline/layer.h>
+#include <torchpar/plan/cost_model.h>
+
+#include <torchpar/common/c10d_fwd.h>
+
+#include <vector>
+
+namespace torchpar::plan {
+
+// Builds one layer at a time (as the pipeline would), feeds it the previous layer's output starting
+// from `sample` (a batch of sample.size(0) samples), and takes the median of `repeats` runs of: the
+// forward, the backward of the input gradient alone, and the whole backward (the weight part is the
+// difference). Activation bytes are estimated as the layer's input and output bytes (what Linear, ReLU
+// and most layers keep for backward). Also measures the optimizer (SGD with momentum) per parameter byte
+// into `setup` when given.
+ModelProfile profile_layers(const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample,
+                            int repeats = 5, TrainingSetup* setup = nullptr);
+
+// α and β of `milliseconds` ≈ α + β · bytes, least squares over the points (α, β clamped at 0).
+LinkCost fit_link_cost(const std::vector<double>& bytes, const std::vector<double>& milliseconds);
+
+// Collective over `group` (every rank calls it): times all-reduces of float32 tensors of `sizes_bytes`
+// (the slowest rank's median of `repeats`), and a ping-pong between ranks 0 and 1 (half its round
+// trip), and fits each. A group of one rank costs nothing.
+NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                               const std::vector<int64_t>& sizes_bytes = {4 << 10, 256 << 10, 4 << 20},
+                               int repeats = 5);
+
+} // namespace torchpar::plan

@@ -1,0 +1,243 @@
+"""The planner's command line, ``python -m torchpar.plan``: which strategy fits this model on these ranks.
+
+    python -m torchpar.plan --model torchpar.plan.examples:deep_mlp --batch 64 --world 4 [--memory-per-rank 8MiB]
+                            [--verify 3 [--verify-each-strategy]] [--backend gloo|shm] [--out torchpar-plan]
+    torchrun --nproc-per-node=4 -m torchpar.plan --model pkg.module:factory --batch 64
+
+Profiles the model's layers on one rank, measures the process group's all-reduce and transfers on all of
+them, predicts every strategy (DDP, pipeline schedules x micro-batches x replicas, parameter server x
+servers, BSP and ASP) and prints them ranked by predicted step time, with the configurations that are out
+and why, and the best one as C++ and Python code. --verify K runs the top K for a few steps and prints
+predicted against measured; what it learns (how much slower the ranks compute together than one alone)
+is kept in ~/.cache/torchpar/plan_calibration.json ($TORCHPAR_PLAN_CALIBRATION) and applied to later plans
+on this machine.
+Writes <out>/plan.json and <out>/plan.png. Without torchrun it spawns --world ranks itself.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import multiprocessing
+import os
+import pathlib
+import re
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("torchpar.plan")
+UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match[2].upper() not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size such as 512MiB, 2GiB or 1000000")
+    return int(float(match[1]) * UNITS[match[2].upper()])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m torchpar.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="package.module:factory returning a torchpar.plan.Model")
+    parser.add_argument("--batch", type=int, required=True, help="global samples per step")
+    parser.add_argument("--world", type=int, default=None, help="ranks (default: torchrun's, else 2)")
+    parser.add_argument("--memory-per-rank", type=parse_bytes, default=0, help="e.g. 2GiB (default: no cap)")
+    parser.add_argument("--verify", type=int, default=0, metavar="K", help="run the top K for real")
+    parser.add_argument("--verify-each-strategy", action="store_true",
+                        help="also verify the best configuration of every strategy outside the top K")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per verified configuration")
+    parser.add_argument("--backend", choices=["gloo", "shm"], default="gloo")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("torchpar-plan"))
+    return parser.parse_args(argv)
+
+
+def configuration_fields(configuration) -> dict:
+    return dict(strategy=configuration.strategy.name, world=configuration.world, replicas=configuration.replicas,
+                schedule=configuration.schedule, microbatches=configuration.microbatches,
+                virtual_stages=configuration.virtual_stages, balance=list(configuration.balance),
+                servers=configuration.servers, synchronous=configuration.synchronous)
+
+
+def configuration_from(fields: dict):
+    from torchpar._C import plan as engine
+
+    configuration = engine.Configuration()
+    for name, value in fields.items():
+        setattr(configuration, name, getattr(engine.Strategy, value) if name == "strategy" else value)
+    return configuration
+
+
+def prediction_fields(prediction) -> dict:
+    return dict(configuration=prediction.configuration.describe(), step_ms=prediction.step_ms,
+                samples_per_second=prediction.samples_per_second, memory_per_rank=prediction.memory_per_rank,
+                bubble_fraction=prediction.bubble_fraction, bytes_per_step=prediction.bytes_per_step,
+                compute_ms=prediction.compute_ms, fields=configuration_fields(prediction.configuration))
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranked = report["ranked"][:10]
+    verified = report["verified"]
+    figure, axes = plt.subplots(1, 2 if verified else 1, figsize=(13 if verified else 7, 4.8), squeeze=False)
+    memory = axes[0][0]
+    labels = [f"{i + 1}. {p['configuration']}" for i, p in enumerate(ranked)][::-1]
+    memory.barh(labels, [p["memory_per_rank"] / 2**20 for p in ranked][::-1], color="tab:purple")
+    if report["memory_per_rank_cap"]:
+        memory.axvline(report["memory_per_rank_cap"] / 2**20, color="red", lw=1, label="cap")
+        memory.legend(fontsize=8)
+    memory.set(xlabel="predicted memory per rank (MiB)", title="the top configurations")
+    memory.tick_params(axis="y", labelsize=7)
+    if verified:
+        timing = axes[0][1]
+        names = [v["configuration"] for v in verified]
+        positions = range(len(verified))
+        timing.bar([p - 0.2 for p in positions], [v["predicted_ms"] for v in verified], 0.4, label="predicted")
+        timing.bar([p + 0.2 for p in positions], [v["measured_ms"] for v in verified], 0.4, label="measured")
+        timing.set_xticks(list(positions), names, rotation=15, ha="right", fontsize=7)
+        timing.set(ylabel="step time (ms)", title="predicted against measured (--verify)")
+        timing.legend(fontsize=8)
+    for axis in axes[0]:
+        axis.title.set_fontsize(9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def run(rank: int, world: int, args: argparse.Namespace) -> None:
+    import torchpar.plan as planner
+    from torchpar.plan.verify import measure_step_ms
+
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    control = dist.new_group(backend="gloo")
+    group = dist.new_group(backend=args.backend) if args.backend != "gloo" else dist.group.WORLD
+    model = planner.load_model(args.model)
+    torch.manual_seed(0)
+    report = None
+    if rank == 0:
+        logger.info("profiling %s (%d layers) at %d samples per rank", args.model, len(model.layers),
+                    max(1, args.batch // world))
+        model_profile, optimizer_ms_per_byte = planner.profile(model, max(1, args.batch // world))
+    dist.barrier(group=control)
+    network = planner.measure_network(group)
+    if rank == 0:
+        calibration = planner.load_calibration(world, args.backend)
+        result = planner.plan(model, model_profile, network, batch=args.batch, world=world,
+                              memory_per_rank=args.memory_per_rank, optimizer_ms_per_byte=optimizer_ms_per_byte,
+                              calibration=calibration)
+        logger.info("all-reduce %.3f ms + %.3f ms/MiB, transfer %.3f ms + %.3f ms/MiB (%s, %d ranks)%s",
+                    network.all_reduce.alpha_ms, network.all_reduce.ms_per_byte * 2**20,
+                    network.send_recv.alpha_ms, network.send_recv.ms_per_byte * 2**20, args.backend, world,
+                    f"; calibration from an earlier --verify: compute x {calibration.compute_scale:.2f}, "
+                    f"{calibration.per_action_ms:.2f} ms per action, {calibration.per_transfer_ms:.2f} ms per "
+                    f"transfer, {calibration.per_step_ms:.2f} ms per step"
+                    if calibration else "")
+        print(planner.render_table(result), flush=True)
+        if result.ranked:
+            print("recommended, C++:\n" + result.recommended_cpp + "\nrecommended, Python:\n" +
+                  result.recommended_python, flush=True)
+        report = dict(model=args.model, batch=args.batch, world=world, backend=args.backend,
+                      memory_per_rank_cap=args.memory_per_rank,
+                      calibration=calibration.compute_scale if calibration else None,
+                      ranked=[prediction_fields(p) for p in result.ranked],
+                      excluded=[dict(configuration=e.configuration.describe(), reason=e.reason)
+                                for e in result.excluded],
+                      verified=[])
+    chosen = [None]
+    if rank == 0:
+        chosen = [report["ranked"][:args.verify]]
+        if args.verify_each_strategy:
+            for strategy in ("ddp", "pipeline", "ps"):
+                best = next((p for p in report["ranked"] if p["fields"]["strategy"] == strategy), None)
+                if best is not None and best not in chosen[0]:
+                    chosen[0].append(best)
+    dist.broadcast_object_list(chosen, src=0, group=control)
+    measured = []
+    if chosen[0]:
+        from tqdm import tqdm
+
+        for entry in tqdm(chosen[0], desc="verify", unit="config", disable=rank != 0):
+            configuration = configuration_from(entry["fields"])
+            measured.append(measure_step_ms(model, configuration, args.batch, args.backend, control,
+                                            steps=args.steps))
+    if rank == 0:
+        if measured:
+            for entry, milliseconds in zip(chosen[0], measured):
+                report["verified"].append(dict(configuration=entry["configuration"], predicted_ms=entry["step_ms"],
+                                               measured_ms=milliseconds))
+            configurations = [configuration_from(e["fields"]) for e in chosen[0]]
+            learned = planner.calibrate(model, model_profile, network, batch=args.batch,
+                                        optimizer_ms_per_byte=optimizer_ms_per_byte,
+                                        configurations=configurations, measured_ms=measured)
+            planner.save_calibration(learned, world, args.backend)
+            for row, configuration in zip(report["verified"], configurations):
+                row["calibrated_ms"] = planner.predict_step_ms(model, model_profile, network, configuration,
+                                                               batch=args.batch,
+                                                               optimizer_ms_per_byte=optimizer_ms_per_byte,
+                                                               calibration=learned)
+            report["learned_calibration"] = {f: getattr(learned, f) for f in planner.CALIBRATION_FIELDS}
+            print(f"verified (step ms): configuration | predicted | measured | error | calibrated | error\n"
+                  f"  (calibrated: compute x {learned.compute_scale:.2f}, {learned.per_action_ms:.2f} ms per pipeline "
+                  f"action, {learned.per_transfer_ms:.2f} ms per transfer, {learned.per_step_ms:.2f} ms per step)",
+                  flush=True)
+            for row in report["verified"]:
+                error = abs(row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+                calibrated = abs(row["calibrated_ms"] - row["measured_ms"]) / row["measured_ms"]
+                print(f"  {row['configuration']} | {row['predicted_ms']:.2f} | {row['measured_ms']:.2f} | "
+                      f"{100 * error:.0f}% | {row['calibrated_ms']:.2f} | {100 * calibrated:.0f}%", flush=True)
+            fastest = min(measured)
+            print(f"the top-ranked configuration measured {measured[0] / fastest:.2f}x the fastest verified one",
+                  flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "plan.json").write_text(json.dumps(report, indent=1))
+        plot(report, args.out / "plan.png")
+        logger.info("wrote %s and %s", args.out / "plan.json", args.out / "plan.png")
+
+
+def spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    import torchpar
+
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    timeout = datetime.timedelta(minutes=5)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    torchpar.init_process_group(backend="gloo", rank=rank, world_size=world, store=store, timeout=timeout)
+    run(rank, world, args)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torchpar
+
+    if "RANK" in os.environ:  # under torchrun
+        torchpar.init_process_group(backend="gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+        if args.world not in (None, world):
+            logger.error("--world %d, but torchrun started %d ranks", args.world, world)
+            return 2
+        run(rank, world, args)
+        dist.destroy_process_group()
+        return 0
+    world = args.world or 2
+    from torchpar.plan.model import load_model
+
+    load_model(args.model)  # a wrong --model fails here, before any rank starts
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=spawned_rank, args=(rank, world, store.port, args)) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join()
+    failed = [rank for rank, process in enumerate(ranks) if process.exitcode != 0]
+    if failed:
+        logger.error("rank(s) %s failed", failed)
+        return 1
+    return 0
+

@@ -1,0 +1,44 @@
+"""Models to plan for, as ``python -m torchpar.plan --model torchpar.plan.examples:<name>`` loads them.
+
+A model for the planner is a :class:`torchpar.plan.Model`: its layers (the pipeline's unit of cutting),
+a function giving a batch of inputs and targets, the loss, and the optimizer.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchpar.plan.model import Model
+
+
+def digits_mlp() -> Model:
+    """The examples' MLP for 8x8 digits: 64-128-10."""
+    return Model(layers=[nn.Sequential(nn.Linear(64, 128), nn.ReLU()), nn.Linear(128, 10)],
+                 sample=lambda batch: (torch.randn(batch, 64), torch.randint(0, 10, (batch,))),
+                 loss=nn.functional.cross_entropy)
+
+
+def deep_mlp(depth: int = 8, width: int = 512) -> Model:
+    """A deep narrow MLP: `depth` Linear+ReLU layers of `width` (a pipeline's natural case once its
+    parameters, gradients and optimizer state exceed a rank's memory)."""
+    layers = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth - 1)] + [nn.Linear(width, 10)]
+    return Model(layers=layers, sample=lambda batch: (torch.randn(batch, width), torch.randint(0, 10, (batch,))),
+                 loss=nn.functional.cross_entropy)
+
+
+class _MeanEmbedding(nn.Module):
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.embedding = nn.EmbeddingBag(rows, dim, mode="mean")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids)
+
+
+def wide_embedding(rows: int = 200_000, dim: int = 64) -> Model:
+    """A wide embedding (`rows` x `dim`, averaged over 8 ids per sample) under a small MLP, trained with
+    Adam: most bytes, little compute (the parameter server's natural case under a memory cap)."""
+    layers = [_MeanEmbedding(rows, dim), nn.Sequential(nn.Linear(dim, 64), nn.ReLU()), nn.Linear(64, 2)]
+    return Model(layers=layers,
+                 sample=lambda batch: (torch.randint(0, rows, (batch, 8)), torch.randint(0, 2, (batch,))),
+                 loss=nn.functional.cross_entropy, optimizer="adam")

@@ -1,0 +1,162 @@
+// plan/cost_model and plan/planner: predictions against hand-computed cases, and the planner's choices
+// (and reasons) for models whose answer is known — all in-process, from made-up profiles.
+#include "catch_with_torch.h"
+
+#include <torchpar/plan/planner.h>
+#include <torchpar/plan/profile.h>
+
+namespace plan = torchpar::plan;
+using Catch::Matchers::Contains;
+
+namespace {
+
+constexpr int64_t kMiB = 1 << 20;
+
+// `layers` equal layers profiled at 8 samples: forward 2 ms, backward 1 + 1 ms, 800 activation bytes.
+plan::ModelProfile equal_layers(int layers, int64_t parameter_bytes) {
+  plan::ModelProfile model;
+  model.batch = 8;
+  for (int i = 0; i < layers; ++i) {
+    model.layers.push_back({"layer" + std::to_string(i), 2.0, 1.0, 1.0, parameter_bytes, 800, 400});
+  }
+  return model;
+}
+
+plan::NetworkProfile network(double alpha_ms, double ms_per_mib) {
+  plan::NetworkProfile network;
+  network.all_reduce = {alpha_ms, ms_per_mib / kMiB};
+  network.send_recv = {alpha_ms, ms_per_mib / kMiB};
+  return network;
+}
+
+plan::TrainingSetup batch_of(int64_t batch, double optimizer_state_factor = 1) {
+  plan::TrainingSetup setup;
+  setup.batch = batch;
+  setup.optimizer_state_factor = optimizer_state_factor;
+  return setup;
+}
+
+} // namespace
+
+TEST_CASE("plan: buckets overlapping backward go out one at a time, each once it is ready") {
+  CHECK(plan::overlapped_finish_ms({1, 3}, {2, 1}) == Approx(4));   // 1-3, 3-4
+  CHECK(plan::overlapped_finish_ms({1, 1.5}, {2, 1}) == Approx(4));  // the second waits for the first
+  CHECK(plan::overlapped_finish_ms({}, {}) == 0);
+}
+
+TEST_CASE("plan: DDP on 2 ranks with a known bucket layout and link cost") {
+  plan::Configuration ddp;
+  ddp.world = 2;
+  // 2 layers of 2 MiB; caps {1 MiB, 25 MiB}: layer 1 alone in the first bucket, layer 0 in the second.
+  // 4 samples per rank: forward 1 + 1 ms; backward: layer 1 done at 1 ms, layer 0 at 2 ms. Each bucket's
+  // all-reduce 0.5 + 2 ms: 1-3.5 and 3.5-6. Step: 2 + 6 = 8 ms.
+  const auto p = plan::predict(equal_layers(2, 2 * kMiB), network(0.5, 1), batch_of(8), ddp);
+  CHECK(p.step_ms == Approx(8));
+  CHECK(p.compute_ms == Approx(4));
+  CHECK(p.exposed_comm_ms == Approx(4));
+  CHECK(p.samples_per_second == Approx(1000));
+  // Parameters, gradients, bucket copies, momentum (4 x 4 MiB); activations of 4 samples (2 x 400).
+  CHECK(p.memory_per_rank == 16 * kMiB + 800);
+  CHECK(p.bytes_per_step == 4 * kMiB);  // ring all-reduce: 2 (n - 1) / n of the parameters
+}
+
+TEST_CASE("plan: a layer's fixed overhead does not shrink with the samples") {
+  auto model = equal_layers(2, 2 * kMiB);
+  for (auto& layer : model.layers) layer.forward_overhead_ms = 1.0;  // forward 2 ms at 8 samples, 1 ms of it fixed
+  plan::Configuration ddp;
+  ddp.world = 2;
+  const auto p = plan::predict(model, network(0, 0), batch_of(8), ddp);
+  CHECK(p.compute_ms == Approx(2 * (1 + 1 * 4.0 / 8) + 2 * 1));  // forwards of 1.5 ms, backwards of 1 ms
+}
+
+TEST_CASE("plan: a pipeline's step is the simulator's makespan of its stage costs") {
+  plan::Configuration pipe;
+  pipe.strategy = plan::Strategy::Pipeline;
+  pipe.world = 2;
+  pipe.schedule = torchpar::pipeline::ScheduleKind::GPipe;
+  pipe.microbatches = 2;
+  // One layer per stage, micro-batches of 4: F = 1, B = 1 ms, free links. GPipe: (m + p - 1)(F + B) = 6 ms,
+  // a bubble of 1 - m(F + B) / makespan = 1/3.
+  const auto p = plan::predict(equal_layers(2, 2 * kMiB), network(0, 0), batch_of(8), pipe);
+  CHECK(p.balance == std::vector<int64_t>{1, 1});
+  CHECK(p.step_ms == Approx(6));
+  CHECK(p.bubble_fraction == Approx(1.0 / 3));
+  CHECK(p.compute_ms == Approx(4));
+  // Its layer's parameters, gradients and momentum; GPipe keeps both micro-batches' activations (2 x 400).
+  CHECK(p.memory_per_rank == 6 * kMiB + 800);
+  // Sends: 2 micro-batches of the boundary's 200 bytes (400 at 8 samples).
+  CHECK(p.bytes_per_step == 400);
+
+  // Transfers of 1 ms, activations forward and gradients back: one more ms each way on the critical path.
+  auto slow = plan::predict(equal_layers(2, 2 * kMiB), network(1, 0), batch_of(8), pipe);
+  CHECK(slow.step_ms == Approx(p.step_ms + 2));
+}
+
+TEST_CASE("plan: a parameter server's step is the slower of a worker and a server") {
+  plan::Configuration ps;
+  ps.strategy = plan::Strategy::ParameterServer;
+  ps.world = 3;  // 2 workers and a server
+  // Workers: 4 samples, forward 2 ms, backward 2 ms, then one 4 MiB bucket pushed and pulled:
+  // 2 x 0.1 + 2 x 4 ms = 8.2 ms, so a worker's step is 12.2 ms. The server receives and answers both
+  // workers: 2 x (0.1 + 8) = 16.2 ms: the bottleneck.
+  const auto p = plan::predict(equal_layers(2, 2 * kMiB), network(0.1, 1), batch_of(8), ps);
+  CHECK(p.step_ms == Approx(16.2));
+  CHECK(p.memory_per_rank == 8 * kMiB + 800);  // a worker: parameters and gradients, its activations
+  CHECK(p.bytes_per_step == 16 * kMiB);        // the server: both workers' pushes and pulls
+}
+
+TEST_CASE("plan: α and β come back from measurements on a line") {
+  const auto cost = plan::fit_link_cost({1000, 2000, 4000}, {0.3, 0.5, 0.9});
+  CHECK(cost.alpha_ms == Approx(0.1));
+  CHECK(cost.ms_per_byte == Approx(0.0002));
+  CHECK(cost.milliseconds(0) == 0);
+}
+
+TEST_CASE("plan: what does not divide or does not fit is excluded with its reason") {
+  plan::Planner planner(equal_layers(2, 2 * kMiB), network(0.1, 1), batch_of(8));
+  const auto result = planner.plan(plan::PlanOptions().world(3).memory_per_rank(10 * kMiB));
+  std::string reasons;
+  for (const auto& excluded : result.excluded) reasons += excluded.configuration.describe() + ": " + excluded.reason + "\n";
+  CHECK_THAT(reasons, Contains("ddp, 3 replicas: batch 8 does not divide into 3 ranks"));
+  CHECK_THAT(reasons, Contains("the model has 2 layers, fewer than the 3 stages"));
+  REQUIRE_FALSE(result.ranked.empty());
+  for (size_t i = 1; i < result.ranked.size(); ++i) CHECK(result.ranked[i - 1].step_ms <= result.ranked[i].step_ms);
+  for (const auto& p : result.ranked) CHECK(p.memory_per_rank <= 10 * kMiB);
+  CHECK_THAT(plan::render_table(result), Contains("excluded:"));
+}
+
+TEST_CASE("plan: a deep model over the memory cap goes to the pipeline") {
+  // 8 layers of 8 MiB: DDP needs 4 x 64 MiB per rank; 4 stages hold 2 layers each.
+  plan::Planner planner(equal_layers(8, 8 * kMiB), network(0.05, 0.1), batch_of(64));
+  const auto result = planner.plan(plan::PlanOptions().world(4).memory_per_rank(100 * kMiB));
+  REQUIRE_FALSE(result.ranked.empty());
+  CHECK(result.ranked.front().configuration.strategy == plan::Strategy::Pipeline);
+  bool ddp_over_cap = false;
+  for (const auto& excluded : result.excluded) {
+    if (excluded.configuration.strategy == plan::Strategy::DataParallel) {
+      ddp_over_cap = excluded.reason.find("over the 100.0 MiB cap") != std::string::npos;
+    }
+  }
+  CHECK(ddp_over_cap);
+  CHECK_THAT(result.recommended_python, Contains("torchpar.pipeline.Pipeline(layers, loss_fn"));
+  CHECK_THAT(result.recommended_cpp, Contains("torchpar::pipeline::PipelineOptions()"));
+  // Without the cap the same model trains fastest with DDP (its compute splits 4 ways, its all-reduces
+  // hide behind backward).
+  const auto uncapped = planner.plan(plan::PlanOptions().world(4));
+  CHECK(uncapped.ranked.front().configuration.strategy == plan::Strategy::DataParallel);
+}
+
+TEST_CASE("plan: a wide embedding model over the memory cap goes to the parameter server") {
+  // A 96 MiB embedding (little compute) and a small MLP, Adam (2 bytes of state per parameter byte).
+  // Its rank holds it with gradients and Adam's two moments under DDP (and the buckets' copies: 5 x
+  // 96 MiB) and the pipeline (4 x 96 MiB, a layer is not cut); a worker keeps parameters and gradients
+  // (2 x 98 MiB), and two servers the values and state of half each (3 x 49 MiB; one server: 3 x 98).
+  plan::ModelProfile model = equal_layers(3, kMiB);
+  model.layers[0].parameter_bytes = 96 * kMiB;
+  model.layers[0].forward_ms = 0.1;
+  const auto result = plan::Planner(model, network(0.05, 0.5), batch_of(64, 2))
+                          .plan(plan::PlanOptions().world(4).memory_per_rank(250 * kMiB));
+  REQUIRE_FALSE(result.ranked.empty());
+  for (const auto& p : result.ranked) CHECK(p.configuration.strategy == plan::Strategy::ParameterServer);
+  CHECK_THAT(result.recommended_cpp, Contains("torchpar::ps::ParameterService"));
+}
