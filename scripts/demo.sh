@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job, as a user runs it: the all-reduce examples under torchrun, C++ and Python, on one
-# node and as two nodes of two ranks forming one world of four.
+# node and as two nodes of two ranks forming one world of four; then the planner on the digits MLP and
+# the training examples with every strategy, ending with one table (scripts/demo_strategies.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 demo=build/examples/cpp/allreduce_demo
@@ -18,3 +19,8 @@ torchrun --node-rank=0 "${common[@]}" 2>/dev/null
 wait
 echo; echo "\$ $demo    # launched without torchrun: one line saying what is missing"
 "$demo" 2>&1 || echo "(exit code $?)"
+echo; echo "\$ python3 -m torchpar.plan --model torchpar.plan.examples:digits_deep_mlp --batch 64 --world 2   # which strategy?"
+python3 -m torchpar.plan --model torchpar.plan.examples:digits_deep_mlp --batch 64 --world 2 --out build/demo-plan 2>&1 |
+  sed -n '/  # |/,/^excluded/p' | head -8
+echo; echo "\$ python3 scripts/demo_strategies.py   # train with every strategy (examples/, C++ and Python), one table"
+python3 scripts/demo_strategies.py

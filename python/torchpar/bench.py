@@ -84,6 +84,20 @@ def tables_in(output: str) -> list[list[str]]:
     return tables
 
 
+def verified_table(path: pathlib.Path) -> list[list[str]]:
+    """The planner's --verify rows (its own output is not markdown)."""
+    if not path.exists():
+        return []
+    rows = json.loads(path.read_text())["verified"]
+    lines = ["| configuration | predicted ms | measured ms | error | calibrated ms |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for row in rows:
+        error = abs(row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+        lines.append(f"| {row['configuration']} | {row['predicted_ms']:.2f} | {row['measured_ms']:.2f} "
+                     f"| {100 * error:.0f}% | {row['calibrated_ms']:.2f} |")
+    return [lines] if rows else []
+
+
 def ratios(section: str, tables: list[list[str]]) -> dict[str, float]:
     """Every ratio cell, keyed by section, table, row (its position and first cell) and column: the same
     benchmark with the same options prints the same rows in the same order."""
@@ -141,18 +155,32 @@ def write_html(markdown: str, path: pathlib.Path) -> None:
                     + "\n".join(body))
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m torchpar.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmarks", nargs="*", default=["all"], choices=[*SECTIONS, "all"])
+    # Checked here, not by argparse's choices, which refuse an empty list (Python 3.11).
+    parser.add_argument("benchmarks", nargs="*", help=f"any of {', '.join(SECTIONS)}; default: all")
     parser.add_argument("--quick", action="store_true", help="each benchmark's short form (~5 minutes in all)")
     parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS / "results")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.benchmarks if name not in (*SECTIONS, "all")]
+    if unknown:
+        parser.error(f"no benchmark {', '.join(unknown)}: choose from {', '.join(SECTIONS)} or all")
+    return args
+
+
+def selected(requested: list[str]) -> list[str]:
+    """The benchmarks to run, in the report's order: all of them for none or "all"."""
+    return [name for name in SECTIONS if not requested or "all" in requested or name in requested]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not BENCHMARKS.is_dir():
         logger.error("no benchmarks/ beside the torchpar package (%s): the suite runs from a source checkout", ROOT)
         return 2
-    names = list(SECTIONS) if "all" in args.benchmarks else list(dict.fromkeys(args.benchmarks))
+    names = selected(args.benchmarks)
     args.out.mkdir(parents=True, exist_ok=True)
     previous_path = args.out / "report.json"
     previous = json.loads(previous_path.read_text()) if previous_path.exists() else None
@@ -169,7 +197,7 @@ def main(argv=None) -> int:
             failed.append(name)
             logger.error("%s failed (exit code %d); its output is in %s", name, result.returncode,
                          args.out / f"{name}.log")
-        tables = tables_in(output)
+        tables = tables_in(output) + (verified_table(args.out / "plan" / "plan.json") if name == "plan" else [])
         summary = [line for line in output.splitlines()
                    if re.search(r"target|lowest|median|faster|measured \d", line) and not line.startswith("|")]
         all_ratios.update(ratios(name, tables))

@@ -4,7 +4,18 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from test_torchrun import ROOT, clean_env
+from torchpar.bench import SECTIONS, parse_args, selected
+
+
+def test_choosing_benchmarks():
+    assert selected(parse_args([]).benchmarks) == list(SECTIONS)  # none named: all of them
+    assert selected(parse_args(["all"]).benchmarks) == list(SECTIONS)
+    assert selected(parse_args(["plan", "tp", "tp"]).benchmarks) == ["tp", "plan"]  # the report's order, once each
+    with pytest.raises(SystemExit):
+        parse_args(["pipelines"])
 
 
 def test_bench_writes_one_report_and_flags_a_regression(tmp_path):
@@ -18,6 +29,7 @@ def test_bench_writes_one_report_and_flags_a_regression(tmp_path):
     assert "cores" in report and "torch 2." in report  # the machine
     assert "## Tensor parallelism" in report and "## Planner" in report
     assert "| width |" in report and "verified (step ms)" not in report  # tables, not logs
+    assert "| configuration | predicted ms | measured ms |" in report  # the planner's --verify rows
     assert "![Tensor parallelism" in report and (tmp_path / "tensor_parallel.png").exists()
     assert "regression" in report, report  # 10x before, about 1-2x now
     assert "<table>" in (tmp_path / "report.html").read_text()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torchpar._C import plan as _engine
 from torchpar.plan.model import OPTIMIZER_STATE, Model, load_model
 
-__all__ = ["Calibration", "Model", "calibrate", "load_calibration", "load_model", "measure_network", "plan",
+__all__ = ["Calibration", "Model", "calibrate", "default_calibration", "load_calibration", "load_model", "measure_network", "plan",
            "predict_step_ms", "profile", "render_table", "save_calibration"]
 
 Calibration = _engine.Calibration
@@ -82,6 +82,14 @@ def predict_step_ms(model: Model, model_profile, network, configuration, *, batc
                     optimizer_ms_per_byte: float, calibration: Optional[Calibration] = None) -> float:
     return _engine.predict(model_profile, network, _setup(model, batch, optimizer_ms_per_byte), configuration,
                            calibration or Calibration()).step_ms
+
+
+def default_calibration(world: int) -> Calibration:
+    """Before any --verify: ranks that outnumber this machine's cores share them, so each computes
+    world / cores times slower."""
+    calibration = Calibration()
+    calibration.compute_scale = max(1.0, world / (os.cpu_count() or 1))
+    return calibration
 
 
 def _calibration_key(world: int, backend: str) -> str:

@@ -127,6 +127,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     network = planner.measure_network(group)
     if rank == 0:
         calibration = planner.load_calibration(world, args.backend)
+        learned = calibration is not None
+        calibration = calibration or planner.default_calibration(world)
         result = planner.plan(model, model_profile, network, batch=args.batch, world=world,
                               memory_per_rank=args.memory_per_rank, optimizer_ms_per_byte=optimizer_ms_per_byte,
                               calibration=calibration)
@@ -135,15 +137,16 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                     network.send_recv.alpha_ms, network.send_recv.ms_per_byte * 2**20, args.backend, world,
                     f"; calibration from an earlier --verify: compute x {calibration.compute_scale:.2f}, "
                     f"{calibration.per_action_ms:.2f} ms per action, {calibration.per_transfer_ms:.2f} ms per "
-                    f"transfer, {calibration.per_step_ms:.2f} ms per step"
-                    if calibration else "")
+                    f"transfer, {calibration.per_step_ms:.2f} ms per step" if learned else
+                    f"; compute x {calibration.compute_scale:.2f} ({world} ranks on {os.cpu_count()} cores)")
         print(planner.render_table(result), flush=True)
         if result.ranked:
             print("recommended, C++:\n" + result.recommended_cpp + "\nrecommended, Python:\n" +
                   result.recommended_python, flush=True)
         report = dict(model=args.model, batch=args.batch, world=world, backend=args.backend,
                       memory_per_rank_cap=args.memory_per_rank,
-                      calibration=calibration.compute_scale if calibration else None,
+                      calibration={f: getattr(calibration, f) for f in planner.CALIBRATION_FIELDS},
+                      calibration_learned=learned,
                       ranked=[prediction_fields(p) for p in result.ranked],
                       excluded=[dict(configuration=e.configuration.describe(), reason=e.reason)
                                 for e in result.excluded],

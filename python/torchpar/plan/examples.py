@@ -42,3 +42,11 @@ def wide_embedding(rows: int = 200_000, dim: int = 64) -> Model:
     return Model(layers=layers,
                  sample=lambda batch: (torch.randint(0, rows, (batch, 8)), torch.randint(0, 2, (batch,))),
                  loss=nn.functional.cross_entropy, optimizer="adam")
+
+
+def digits_deep_mlp(depth: int = 8, hidden: int = 128) -> Model:
+    """The pipeline example's MLP for 8x8 digits: 64, then `depth - 1` Linear+ReLU blocks of `hidden`, then 10."""
+    widths = [64] + [hidden] * (depth - 1)
+    layers = [nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths, widths[1:])] + [nn.Linear(hidden, 10)]
+    return Model(layers=layers, sample=lambda batch: (torch.randn(batch, 64), torch.randint(0, 10, (batch,))),
+                 loss=nn.functional.cross_entropy)
