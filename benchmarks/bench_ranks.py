@@ -1,8 +1,13 @@
 """What every benchmark needs to start its ranks on this host."""
+import datetime
 import multiprocessing
+import os
 import queue
 import socket
 from typing import Callable
+
+import torch
+import torch.distributed as dist
 
 
 def free_port() -> int:
@@ -37,3 +42,16 @@ def run_world(world: int, rank_main: Callable, options: dict) -> list[dict]:
         if process.exitcode != 0:
             raise SystemExit(f"rank {rank} of the {world}-rank run failed (exit code {process.exitcode})")
     return rows
+
+
+def join_world(rank: int, world: int, port: int):
+    """Inside a spawned rank: one thread, torchpar's default Gloo group, a Gloo control group for the timing's
+    barriers and reductions, and the groups to compare: {"gloo": the default group, "shm": torchpar's}."""
+    import torchpar  # registers "shm"
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    torchpar.init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
+    control = dist.new_group(backend="gloo")
+    return control, {"gloo": dist.group.WORLD, "shm": dist.new_group(backend="shm")}

@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import datetime
 import json
 import logging
-import os
 import pathlib
 import statistics
 import time
@@ -47,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_ranks import run_world
+from bench_ranks import join_world, run_world
 
 logger = logging.getLogger("torchpar.bench")
 BACKENDS = ("gloo", "shm")
@@ -141,14 +139,9 @@ def check_in_sync(variant: Variant, control, world: int) -> None:
 
 
 def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
-    import torchpar  # registers "shm"
+    import torchpar
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    torchpar.init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
-    control = dist.new_group(backend="gloo")
-    groups = {"gloo": dist.group.WORLD, "shm": dist.new_group(backend="shm")}
+    control, groups = join_world(rank, world, port)
     # torch 2.15 renames broadcast_buffers to forward_sync_buffers (same meaning for True); both DDPs get
     # the same, long-standing keyword, so silence torch's notice about it.
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)

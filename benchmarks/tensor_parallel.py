@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import logging
-import os
 import pathlib
 import statistics
 import time
@@ -40,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from bench_ranks import run_world
+from bench_ranks import join_world, run_world
 
 logger = logging.getLogger("torchpar.bench")
 WORLD = 2
@@ -114,17 +112,11 @@ def check_against_whole(variant: Variant, whole: nn.Module, x: torch.Tensor, wid
 
 
 def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
-    import torchpar
     import torchpar.tensor_parallel as tp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    torchpar.init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
-    control = dist.new_group(backend="gloo")
-    groups = {"gloo": dist.group.WORLD, "shm": dist.new_group(backend="shm")}
+    control, groups = join_world(rank, world, port)
     mesh = init_device_mesh("cpu", (world,))
     plan = {"query": ColwiseParallel(), "key": ColwiseParallel(), "value": ColwiseParallel(),
             "out": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
