@@ -23,19 +23,12 @@ import torch
 import torch.distributed as dist
 
 from bench_ranks import free_port
+from torchpar.plan.cli import parse_bytes  # "64MiB", "4 KiB", "1000000"
 
 logger = logging.getLogger("torchpar.bench")
 OPS = ("allreduce", "broadcast", "allgather")
 BACKENDS = ("gloo", "shm")
 TARGET_SECONDS = 0.25  # per measurement; sizes are timed over enough iterations to reach it
-
-
-def parse_bytes(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
 
 
 def sizes_up_to(max_bytes: int) -> list[int]:

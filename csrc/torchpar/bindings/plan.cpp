@@ -105,7 +105,6 @@ void bind_plan(py::module_& module) {
   m.def("fit_calibration", &plan::fit_calibration, py::arg("model"), py::arg("network"), py::arg("setup"),
         py::arg("configurations"), py::arg("measured_ms"));
   m.def("render_table", &plan::render_table, py::arg("plan"));
-  m.def("format_bytes", &plan::format_bytes, py::arg("bytes"));
   m.def(
       "profile_layers",
       [](const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample, int repeats) {

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <sstream>
 
 namespace torchpar::plan {
@@ -101,15 +100,6 @@ int64_t activation_bytes(const ModelProfile& model, int64_t samples, int64_t beg
 
 int64_t ModelProfile::parameter_bytes() const {
   return sum_parameter_bytes(*this, 0, static_cast<int64_t>(layers.size()));
-}
-
-std::string strategy_name(Strategy strategy) {
-  switch (strategy) {
-    case Strategy::DataParallel: return "ddp";
-    case Strategy::Pipeline: return "pipeline";
-    case Strategy::ParameterServer: return "ps";
-  }
-  return "?";
 }
 
 std::string Configuration::describe() const {

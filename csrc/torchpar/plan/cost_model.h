@@ -70,7 +70,6 @@ struct TrainingSetup {
 };
 
 enum class Strategy { DataParallel, Pipeline, ParameterServer };
-std::string strategy_name(Strategy strategy);
 
 struct Configuration {
   Strategy strategy = Strategy::DataParallel;

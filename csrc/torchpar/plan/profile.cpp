@@ -44,7 +44,7 @@ double median_ms(int repeats, const std::function<void()>& run) {
   return median(samples);
 }
 
-// One pass of profiling at the sample's batch; `parameters` collects the layers' parameters.
+// One pass of profiling at the sample's batch; `all_parameters` collects the layers' parameters.
 ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample,
                         int repeats, std::vector<at::Tensor>& all_parameters) {
   ModelProfile model;

@@ -32,7 +32,6 @@ __all__ = ["Calibration", "Model", "calibrate", "default_calibration", "load_cal
 
 Calibration = _engine.Calibration
 render_table = _engine.render_table
-format_bytes = _engine.format_bytes
 CALIBRATION_FIELDS = ("compute_scale", "per_action_ms", "per_transfer_ms", "per_step_ms")
 CALIBRATION_FILE = pathlib.Path(os.environ.get("TORCHPAR_PLAN_CALIBRATION",
                                                pathlib.Path.home() / ".cache" / "torchpar" / "plan_calibration.json"))
