@@ -39,9 +39,13 @@ plan::TrainingSetup batch_of(int64_t batch, double optimizer_state_factor = 1) {
 } // namespace
 
 TEST_CASE("plan: buckets overlapping backward go out one at a time, each once it is ready") {
-  CHECK(plan::overlapped_finish_ms({1, 3}, {2, 1}) == Approx(4));   // 1-3, 3-4
-  CHECK(plan::overlapped_finish_ms({1, 1.5}, {2, 1}) == Approx(4));  // the second waits for the first
-  CHECK(plan::overlapped_finish_ms({}, {}) == 0);
+  CHECK(plan::overlapped_finish_ms({1, 3}, {2, 1}, 3) == Approx(4));   // 1-3, 3-4
+  CHECK(plan::overlapped_finish_ms({1, 1.5}, {2, 1}, 3) == Approx(4));  // the second waits for the first
+  CHECK(plan::overlapped_finish_ms({1}, {1}, 5) == Approx(5));          // hidden behind backward
+  CHECK(plan::overlapped_finish_ms({}, {}, 2) == Approx(2));
+  // Without a spare core the buckets follow backward (3 + 2 + 1); half the overlap saves half the 2 ms.
+  CHECK(plan::overlapped_finish_ms({1, 3}, {2, 1}, 3, 0.0) == Approx(6));
+  CHECK(plan::overlapped_finish_ms({1, 3}, {2, 1}, 3, 0.5) == Approx(5));
 }
 
 TEST_CASE("plan: DDP on 2 ranks with a known bucket layout and link cost") {
@@ -58,6 +62,25 @@ TEST_CASE("plan: DDP on 2 ranks with a known bucket layout and link cost") {
   // Parameters, gradients, bucket copies, momentum (4 x 4 MiB); activations of 4 samples (2 x 400).
   CHECK(p.memory_per_rank == 16 * kMiB + 800);
   CHECK(p.bytes_per_step == 4 * kMiB);  // ring all-reduce: 2 (n - 1) / n of the parameters
+}
+
+TEST_CASE("plan: DDP copies gradients into buckets and back, and without overlap all-reduces after backward") {
+  plan::Configuration ddp;
+  ddp.world = 2;
+  auto net = network(0.5, 1);
+  net.copy = {0, 0.25 / kMiB};
+  // As above, and each layer's 2 MiB of gradients copied into its bucket (0.5 ms) as it becomes final:
+  // backward ends at 1.5 and 3 ms; the buckets' all-reduces (2.5 ms each) run 1.5-4 and 4-6.5; then the
+  // 4 MiB copied back (1 ms). Step: 2 + 6.5 + 1.
+  const auto p = plan::predict(equal_layers(2, 2 * kMiB), net, batch_of(8), ddp);
+  CHECK(p.step_ms == Approx(9.5));
+  // No overlap: backward (3 ms), then both all-reduces (5 ms), then the copy back: 2 + 8 + 1.
+  plan::Calibration serial;
+  serial.overlap = 0;
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, batch_of(8), ddp, serial).step_ms == Approx(11));
+  // One rank neither copies nor communicates.
+  ddp.world = 1;
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, batch_of(8), ddp).step_ms == Approx(4 + 4));
 }
 
 TEST_CASE("plan: a layer's fixed overhead does not shrink with the samples") {
@@ -103,6 +126,95 @@ TEST_CASE("plan: a parameter server's step is the slower of a worker and a serve
   CHECK(p.step_ms == Approx(16.2));
   CHECK(p.memory_per_rank == 8 * kMiB + 800);  // a worker: parameters and gradients, its activations
   CHECK(p.bytes_per_step == 16 * kMiB);        // the server: both workers' pushes and pulls
+
+  // Copies of 0.25 ms/MiB and an optimizer of 0.5 ms/MiB. A worker's round trip: push and pull (8.2 ms),
+  // the worker's copy into the push and out of the reply (2 ms), the server's optimizer (2 ms) and
+  // its copy into the reply (1 ms): 13.2, a step of 17.2 ms. The server: 2 x (8.1 + 1) + 2 = 20.2 ms.
+  auto net = network(0.1, 1);
+  net.copy = {0, 0.25 / kMiB};
+  auto setup = batch_of(8);
+  setup.optimizer_ms_per_byte = 0.5 / kMiB;
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps).step_ms == Approx(20.2));
+  ps.world = 4;  // 3 workers of 8 / 3 samples do not divide
+  CHECK_THROWS_WITH(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps),
+                    Contains("does not divide into 3 workers"));
+}
+
+TEST_CASE("plan: compute slows with the ranks computing at once, communication with the ranks' load") {
+  auto model = equal_layers(2, 2 * kMiB);
+  model.contention = 2.0;  // measured: twice as slow with every rank computing
+  plan::Configuration ddp;
+  ddp.world = 2;
+  // Every rank computes: forwards and backwards twice as long (the first case's 1 ms passes take 2),
+  // so the layers' gradients are final at 2 and 4 ms; the buckets' all-reduces run 2-4.5 and 4.5-7.
+  CHECK(plan::predict(model, network(0.5, 1), batch_of(8), ddp).step_ms == Approx(4 + 7));
+  plan::Calibration loaded;
+  loaded.communication_scale = 2.0;  // all-reduces of 5 ms: 2-7 and 7-12
+  CHECK(plan::predict(model, network(0.5, 1), batch_of(8), ddp, loaded).step_ms == Approx(4 + 12));
+
+  // A pipeline's ranks compute together only outside its bubble. GPipe over 2 ranks: 1 micro-batch
+  // keeps one rank busy at a time (no contention); 2 micro-batches leave a bubble of 1/3, so 4/3
+  // ranks compute at once on average: compute 1 + (2 - 1) / 3 times slower.
+  plan::Configuration pipe;
+  pipe.strategy = plan::Strategy::Pipeline;
+  pipe.world = 2;
+  pipe.schedule = torchpar::pipeline::ScheduleKind::GPipe;
+  const auto alone = plan::predict(equal_layers(2, 2 * kMiB), network(0, 0), batch_of(8), pipe);
+  CHECK(plan::predict(model, network(0, 0), batch_of(8), pipe).step_ms == Approx(alone.step_ms));
+  pipe.microbatches = 2;
+  const auto two_alone = plan::predict(equal_layers(2, 2 * kMiB), network(0, 0), batch_of(8), pipe);
+  CHECK(two_alone.bubble_fraction == Approx(1.0 / 3));
+  CHECK(plan::predict(model, network(0, 0), batch_of(8), pipe).step_ms == Approx(two_alone.step_ms * 4 / 3));
+}
+
+TEST_CASE("plan: a profile scaled to a measured pass keeps its shape") {
+  auto model = equal_layers(2, kMiB);
+  model.layers[0].forward_overhead_ms = 1.0;
+  CHECK(model.compute_ms() == Approx(8));
+  const auto scaled = model.scaled_to(12);
+  CHECK(scaled.compute_ms() == Approx(12));
+  CHECK(scaled.layers[0].forward_ms == Approx(3));
+  CHECK(scaled.layers[0].forward_overhead_ms == Approx(1.5));
+  CHECK(scaled.layers[1].backward_weight_ms == Approx(1.5));
+  CHECK(scaled.parameter_bytes() == model.parameter_bytes());
+  CHECK_THROWS_WITH(model.scaled_to(0), Contains("cannot scale"));
+}
+
+TEST_CASE("plan: the calibration fit recovers what made the measurements, from samples of two models") {
+  plan::Calibration truth;
+  truth.compute_scale = 1.5;
+  truth.per_action_ms = 0.2;
+  truth.per_step_ms = 1.0;
+  std::vector<plan::CalibrationSample> samples;
+  for (const auto& model : {equal_layers(2, 2 * kMiB), equal_layers(4, kMiB)}) {
+    for (int microbatches : {1, 2, 4}) {
+      plan::CalibrationSample sample{model, network(0.1, 1), batch_of(8), {}, 0};
+      sample.configuration.strategy = plan::Strategy::Pipeline;
+      sample.configuration.world = 2;
+      sample.configuration.microbatches = microbatches;
+      samples.push_back(sample);
+    }
+    plan::CalibrationSample ddp{model, network(0.1, 1), batch_of(8), {}, 0};
+    ddp.configuration.world = 2;
+    samples.push_back(ddp);
+  }
+  double worst_before = 0;  // uncalibrated: far off, so the fit has something to learn
+  for (auto& sample : samples) {
+    sample.measured_ms = plan::predict(sample.model, sample.network, sample.setup, sample.configuration, truth).step_ms;
+    const double uncalibrated =
+        plan::predict(sample.model, sample.network, sample.setup, sample.configuration).step_ms;
+    worst_before = std::max(worst_before, std::abs(uncalibrated - sample.measured_ms) / sample.measured_ms);
+  }
+  CHECK(worst_before > 0.3);
+  const auto fitted = plan::fit_calibration(samples);
+  for (const auto& sample : samples) {
+    INFO(sample.configuration.describe());
+    const double predicted =
+        plan::predict(sample.model, sample.network, sample.setup, sample.configuration, fitted).step_ms;
+    CHECK(predicted == Approx(sample.measured_ms).epsilon(0.02));
+  }
+  CHECK(fitted.compute_scale == Approx(1.5).margin(0.06));
+  CHECK_THROWS_WITH(plan::fit_calibration({}), Contains("no measured configuration"));
 }
 
 TEST_CASE("plan: α and β come back from measurements on a line") {
@@ -116,7 +228,9 @@ TEST_CASE("plan: what does not divide or does not fit is excluded with its reaso
   plan::Planner planner(equal_layers(2, 2 * kMiB), network(0.1, 1), batch_of(8));
   const auto result = planner.plan(plan::PlanOptions().world(3).memory_per_rank(10 * kMiB));
   std::string reasons;
-  for (const auto& excluded : result.excluded) reasons += excluded.configuration.describe() + ": " + excluded.reason + "\n";
+  for (const auto& excluded : result.excluded) {
+    reasons += excluded.configuration.describe() + ": " + excluded.reason + "\n";
+  }
   CHECK_THAT(reasons, Contains("ddp, 3 replicas: batch 8 does not divide into 3 ranks"));
   CHECK_THAT(reasons, Contains("the model has 2 layers, fewer than the 3 stages"));
   REQUIRE_FALSE(result.ranked.empty());

@@ -61,8 +61,55 @@ def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
         assert row["measured_ms"] > 0 and row["predicted_ms"] > 0 and row["calibrated_ms"] > 0
     assert "predicted against measured" not in output  # the plot's title, not stdout
     assert "verified (step ms)" in output and "the top-ranked configuration measured" in output
-    # What it learned is kept for the next plan on this machine, which says it uses it.
-    learned = json.loads((tmp_path / "calibration.json").read_text())
-    assert list(learned.values())[0] == report["learned_calibration"]
-    _, again = plan(tmp_path, "digits_mlp", "--batch", 64, "--world", 2)
-    assert "calibration from an earlier --verify" in again
+    # What it learned is kept for the next plan on this machine, which says it uses it, with every verified
+    # configuration as a sample that later --verify runs refit with theirs.
+    kept = list(json.loads((tmp_path / "calibration.json").read_text()).values())[0]
+    assert kept["calibration"] == report["learned_calibration"]
+    assert len(kept["samples"]) == len(report["verified"]) == report["calibration_samples"]
+    again_report, again = plan(tmp_path, "digits_mlp", "--batch", 64, "--world", 2, "--verify", 1, "--steps", 2)
+    assert "calibration from earlier --verify runs" in again
+    assert again_report["calibration"] == report["learned_calibration"]
+    assert again_report["calibration_samples"] == len(report["verified"]) + 1
+
+
+def test_a_calibration_sample_survives_the_file_and_refits_the_same(tmp_path):
+    import torchpar.plan as planner
+    from torchpar._C import plan as engine
+    from torchpar.plan import calibration
+
+    model = planner.load_model("torchpar.plan.examples:deep_mlp")
+    profile, optimizer_ms_per_byte = planner.profile(model, 8, repeats=1)
+    profile.contention = 1.7
+    network = engine.NetworkProfile()
+    network.all_reduce.alpha_ms, network.all_reduce.ms_per_byte = 0.5, 1e-6
+    network.send_recv.alpha_ms, network.send_recv.ms_per_byte = 0.1, 5e-7
+    network.copy.ms_per_byte = 1e-7
+    samples = []
+    for strategy, fields in (("ddp", {}), ("pipeline", dict(microbatches=2, schedule="zero_bubble")),
+                             ("ps", dict(servers=1))):
+        configuration = engine.Configuration()
+        configuration.strategy, configuration.world = getattr(engine.Strategy, strategy), 2
+        for name, value in fields.items():
+            setattr(configuration, name, value)
+        predicted = planner.predict_step_ms(model, profile, network, configuration, batch=16,
+                                            optimizer_ms_per_byte=optimizer_ms_per_byte)
+        samples.append(planner.calibration_sample(model, profile, network, configuration, batch=16,
+                                                  optimizer_ms_per_byte=optimizer_ms_per_byte,
+                                                  measured_ms=1.3 * predicted))
+    path = tmp_path / "calibration.json"
+    learned, count = calibration.learn(samples, 2, "gloo", path)
+    assert count == 3
+    restored = [calibration.sample_from_json(calibration.sample_to_json(s)) for s in samples]
+    for original, copy in zip(samples, restored):
+        assert copy.configuration.describe() == original.configuration.describe()
+        assert copy.model.contention == 1.7 and copy.network.copy.ms_per_byte == 1e-7
+        # The same prediction from the copy as from the original: nothing the cost model reads was lost.
+        assert (engine.predict(copy.model, copy.network, copy.setup, copy.configuration).step_ms ==
+                engine.predict(original.model, original.network, original.setup, original.configuration).step_ms)
+    for sample in samples:  # the fit learned the 30% the "measurements" added
+        fitted = engine.predict(sample.model, sample.network, sample.setup, sample.configuration, learned).step_ms
+        assert abs(fitted - sample.measured_ms) / sample.measured_ms < 0.08
+    again, count = calibration.learn([], 2, "gloo", path)  # read back from the file, refitted the same
+    assert count == 3
+    assert {f: getattr(again, f) for f in calibration.FIELDS} == {f: getattr(learned, f) for f in calibration.FIELDS}
+    assert calibration.load_calibration(2, "gloo", path).compute_scale == learned.compute_scale

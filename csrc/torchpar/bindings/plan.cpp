@@ -33,7 +33,13 @@ void bind_plan(py::module_& module) {
       .def(py::init<>())
       .def_readwrite("batch", &plan::ModelProfile::batch)
       .def_readwrite("layers", &plan::ModelProfile::layers)
-      .def_property_readonly("parameter_bytes", &plan::ModelProfile::parameter_bytes);
+      .def_readwrite("contention", &plan::ModelProfile::contention)
+      .def_property_readonly("parameter_bytes", &plan::ModelProfile::parameter_bytes)
+      .def_property_readonly("compute_ms", &plan::ModelProfile::compute_ms)
+      .def("scaled_to", &plan::ModelProfile::scaled_to, py::arg("pass_ms"));
+  py::class_<plan::ModelPassTimes>(m, "ModelPassTimes")
+      .def_readonly("alone_ms", &plan::ModelPassTimes::alone_ms)
+      .def_readonly("together_ms", &plan::ModelPassTimes::together_ms);
   py::class_<plan::LinkCost>(m, "LinkCost")
       .def(py::init<>())
       .def_readwrite("alpha_ms", &plan::LinkCost::alpha_ms)
@@ -42,13 +48,17 @@ void bind_plan(py::module_& module) {
   py::class_<plan::NetworkProfile>(m, "NetworkProfile")
       .def(py::init<>())
       .def_readwrite("all_reduce", &plan::NetworkProfile::all_reduce)
-      .def_readwrite("send_recv", &plan::NetworkProfile::send_recv);
+      .def_readwrite("send_recv", &plan::NetworkProfile::send_recv)
+      .def_readwrite("copy", &plan::NetworkProfile::copy);
   py::class_<plan::Calibration>(m, "Calibration")
       .def(py::init<>())
       .def_readwrite("compute_scale", &plan::Calibration::compute_scale)
+      .def_readwrite("communication_scale", &plan::Calibration::communication_scale)
+      .def_readwrite("overlap", &plan::Calibration::overlap)
       .def_readwrite("per_action_ms", &plan::Calibration::per_action_ms)
       .def_readwrite("per_transfer_ms", &plan::Calibration::per_transfer_ms)
-      .def_readwrite("per_step_ms", &plan::Calibration::per_step_ms);
+      .def_readwrite("per_step_ms", &plan::Calibration::per_step_ms)
+      .def_readwrite("ps_ms_per_byte", &plan::Calibration::ps_ms_per_byte);
   py::class_<plan::TrainingSetup>(m, "TrainingSetup")
       .def(py::init<>())
       .def_readwrite("batch", &plan::TrainingSetup::batch)
@@ -102,13 +112,22 @@ void bind_plan(py::module_& module) {
       },
       py::arg("model"), py::arg("network"), py::arg("setup"), py::arg("calibration"), py::arg("world"),
       py::arg("memory_per_rank"), py::arg("microbatches"));
-  m.def("fit_calibration", &plan::fit_calibration, py::arg("model"), py::arg("network"), py::arg("setup"),
-        py::arg("configurations"), py::arg("measured_ms"));
+  py::class_<plan::CalibrationSample>(m, "CalibrationSample")
+      .def(py::init<>())
+      .def_readwrite("model", &plan::CalibrationSample::model)
+      .def_readwrite("network", &plan::CalibrationSample::network)
+      .def_readwrite("setup", &plan::CalibrationSample::setup)
+      .def_readwrite("configuration", &plan::CalibrationSample::configuration)
+      .def_readwrite("measured_ms", &plan::CalibrationSample::measured_ms);
+  m.def("fit_calibration", &plan::fit_calibration, py::arg("samples"), py::arg("start") = plan::Calibration(),
+        Release());
   m.def("render_table", &plan::render_table, py::arg("plan"));
   m.def(
       "profile_layers",
-      [](const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample, int repeats) {
+      [](const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample, int repeats,
+         double optimizer_state_factor) {
         plan::TrainingSetup setup;
+        setup.optimizer_state_factor = optimizer_state_factor;
         plan::ModelProfile model;
         {
           py::gil_scoped_release release;  // autograd runs without it; the Python layers take it back
@@ -116,7 +135,9 @@ void bind_plan(py::module_& module) {
         }
         return py::make_tuple(model, setup.optimizer_ms_per_byte);
       },
-      py::arg("factories"), py::arg("sample"), py::arg("repeats"));
+      py::arg("factories"), py::arg("sample"), py::arg("repeats"), py::arg("optimizer_state_factor") = 1.0);
+  m.def("measure_model_pass", &plan::measure_model_pass, py::arg("factories"), py::arg("sample"), py::arg("group"),
+        Release());
   m.def("measure_network", &plan::measure_network, py::arg("group"), py::arg("sizes_bytes"), py::arg("repeats"),
         Release());
 }

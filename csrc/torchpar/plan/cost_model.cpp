@@ -34,6 +34,24 @@ double backward_weight_at(const LayerProfile& layer, int64_t samples, const Mode
   return at_samples(layer.backward_weight_ms, layer.backward_weight_overhead_ms, samples, model, calibration);
 }
 
+// The calibration with compute slowed for `busy` of the world's ranks computing at once.
+Calibration with_contention(const ModelProfile& model, const Calibration& calibration, double busy, int world) {
+  Calibration effective = calibration;
+  const double share = world > 1 ? std::clamp((busy - 1) / (world - 1), 0.0, 1.0) : 0.0;
+  effective.compute_scale *= 1 + (model.contention - 1) * share;
+  return effective;
+}
+
+// The process group's operations while the ranks compute.
+NetworkProfile under_load(const NetworkProfile& network, const Calibration& calibration) {
+  NetworkProfile loaded = network;
+  for (LinkCost* link : {&loaded.all_reduce, &loaded.send_recv}) {
+    link->alpha_ms *= calibration.communication_scale;
+    link->ms_per_byte *= calibration.communication_scale;
+  }
+  return loaded;
+}
+
 int64_t at_samples(int64_t profiled_bytes, int64_t samples, const ModelProfile& model) {
   return profiled_bytes * samples / model.batch;
 }
@@ -49,7 +67,9 @@ int64_t sum_parameter_bytes(const ModelProfile& model, int64_t begin, int64_t en
 }
 
 // Forward, then backward with gradient buckets (DDP's all-reduces, or a worker's push-and-pull to
-// the servers) going out as their gradients become final. `bucket_cost(bytes)` is one bucket's time.
+// the servers) going out as their gradients become final. `bucket_cost(bytes)` is one bucket's time;
+// `hook_ms_per_byte` is what the compute thread spends per gradient byte as it becomes final (DDP
+// copies it into its bucket).
 struct OverlappedStep {
   double forward_ms = 0;
   double backward_ms = 0;
@@ -58,7 +78,7 @@ struct OverlappedStep {
 
 template <typename BucketCost>
 OverlappedStep overlapped_step(const ModelProfile& model, int64_t samples, const std::vector<size_t>& caps,
-                               const Calibration& calibration, BucketCost bucket_cost) {
+                               const Calibration& calibration, double hook_ms_per_byte, BucketCost bucket_cost) {
   OverlappedStep step;
   const size_t layers = model.layers.size();
   std::vector<double> ready(layers);  // backward runs from the last layer to the first
@@ -67,7 +87,8 @@ OverlappedStep overlapped_step(const ModelProfile& model, int64_t samples, const
     const auto& layer = model.layers[i];
     step.forward_ms += forward_at(layer, samples, model, calibration);
     clock += backward_input_at(layer, samples, model, calibration) +
-             backward_weight_at(layer, samples, model, calibration);
+             backward_weight_at(layer, samples, model, calibration) +
+             hook_ms_per_byte * static_cast<double>(layer.parameter_bytes);
     ready[i] = clock;
   }
   step.backward_ms = clock;
@@ -84,7 +105,7 @@ OverlappedStep overlapped_step(const ModelProfile& model, int64_t samples, const
     bucket_ready.push_back(at);
     bucket_cost_ms.push_back(bucket_cost(bytes));
   }
-  step.finish_ms = std::max(step.backward_ms, overlapped_finish_ms(bucket_ready, bucket_cost_ms));
+  step.finish_ms = overlapped_finish_ms(bucket_ready, bucket_cost_ms, step.backward_ms, calibration.overlap);
   return step;
 }
 
@@ -100,6 +121,27 @@ int64_t activation_bytes(const ModelProfile& model, int64_t samples, int64_t beg
 
 int64_t ModelProfile::parameter_bytes() const {
   return sum_parameter_bytes(*this, 0, static_cast<int64_t>(layers.size()));
+}
+
+double ModelProfile::compute_ms() const {
+  double total = 0;
+  for (const auto& layer : layers) total += layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms;
+  return total;
+}
+
+ModelProfile ModelProfile::scaled_to(double pass_ms) const {
+  const double total = compute_ms();
+  TORCH_CHECK(total > 0 && pass_ms > 0, "plan: cannot scale a profile of ", total, " ms to ", pass_ms, " ms");
+  const double factor = pass_ms / total;
+  ModelProfile scaled = *this;
+  for (auto& layer : scaled.layers) {
+    for (double* time : {&layer.forward_ms, &layer.backward_input_ms, &layer.backward_weight_ms,
+                         &layer.forward_overhead_ms, &layer.backward_input_overhead_ms,
+                         &layer.backward_weight_overhead_ms}) {
+      *time *= factor;
+    }
+  }
+  return scaled;
 }
 
 std::string Configuration::describe() const {
@@ -122,29 +164,40 @@ std::string Configuration::describe() const {
   return out.str();
 }
 
-double overlapped_finish_ms(const std::vector<double>& ready_ms, const std::vector<double>& cost_ms) {
+double overlapped_finish_ms(const std::vector<double>& ready_ms, const std::vector<double>& cost_ms,
+                            double backward_ms, double overlap) {
   TORCH_CHECK(ready_ms.size() == cost_ms.size(), "overlapped_finish_ms: one cost per bucket");
-  double end = 0;
-  for (size_t bucket = 0; bucket < ready_ms.size(); ++bucket) end = std::max(end, ready_ms[bucket]) + cost_ms[bucket];
-  return end;
+  double overlapped = 0, serial = backward_ms;
+  for (size_t bucket = 0; bucket < ready_ms.size(); ++bucket) {
+    overlapped = std::max(overlapped, ready_ms[bucket]) + cost_ms[bucket];
+    serial += cost_ms[bucket];
+  }
+  overlapped = std::max(overlapped, backward_ms);
+  return serial - std::clamp(overlap, 0.0, 1.0) * (serial - overlapped);
 }
 
-Prediction predict_data_parallel(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
-                                 const Configuration& configuration, const Calibration& calibration) {
+Prediction predict_data_parallel(const ModelProfile& model, const NetworkProfile& idle_network,
+                                 const TrainingSetup& setup, const Configuration& configuration,
+                                 const Calibration& given) {
   const int world = configuration.world;
+  const auto calibration = with_contention(model, given, world, world);
+  const auto network = under_load(idle_network, given);
   check_divides(setup.batch, world, "ranks");
   const int64_t samples = setup.batch / world;
   const int64_t parameters = model.parameter_bytes();
   const std::vector<size_t> caps{static_cast<size_t>(configuration.first_bucket_bytes),
                                  static_cast<size_t>(configuration.bucket_bytes)};
-  const auto step = overlapped_step(model, samples, caps, calibration, [&](double bytes) {
+  // Each gradient is copied into its bucket as it becomes final (on the compute thread), and the
+  // averaged bucket back into the gradients once the all-reduces are done.
+  const double copy_ms_per_byte = world > 1 ? network.copy.ms_per_byte : 0.0;
+  const auto step = overlapped_step(model, samples, caps, calibration, copy_ms_per_byte, [&](double bytes) {
     return world > 1 ? network.all_reduce.milliseconds(bytes) : 0.0;
   });
   Prediction prediction;
   prediction.configuration = configuration;
   prediction.compute_ms = step.forward_ms + step.backward_ms;
   prediction.exposed_comm_ms = step.finish_ms - step.backward_ms;
-  prediction.step_ms = step.forward_ms + step.finish_ms +
+  prediction.step_ms = step.forward_ms + step.finish_ms + copy_ms_per_byte * static_cast<double>(parameters) +
                        setup.optimizer_ms_per_byte * static_cast<double>(parameters) + calibration.per_step_ms;
   // Parameters, gradients, the buckets' flat copies of them, optimizer state; activations of its samples.
   prediction.memory_per_rank = static_cast<int64_t>(static_cast<double>(parameters) *
@@ -155,9 +208,10 @@ Prediction predict_data_parallel(const ModelProfile& model, const NetworkProfile
   return prediction;
 }
 
-Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
-                            const Configuration& configuration, const Calibration& calibration) {
+Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idle_network,
+                            const TrainingSetup& setup, const Configuration& configuration, const Calibration& given) {
   const int replicas = configuration.replicas;
+  const auto network = under_load(idle_network, given);
   TORCH_CHECK(replicas > 0 && configuration.world % replicas == 0, replicas, " replicas do not divide ",
               configuration.world, " ranks");
   pipeline::ScheduleSpec spec;
@@ -181,32 +235,41 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& net
   pipeline::check_partition(balance, layers, stages);
   const auto bounds = pipeline::stage_boundaries(balance);
 
-  std::vector<pipeline::ActionCosts> costs(static_cast<size_t>(stages));
-  for (int stage = 0; stage < stages; ++stage) {
-    auto& cost = costs[static_cast<size_t>(stage)];
-    cost.forward = cost.backward_input = cost.backward_weight = 0;
-    const auto [first, end] = std::pair(bounds[static_cast<size_t>(stage)], bounds[static_cast<size_t>(stage) + 1]);
-    for (int64_t layer = first; layer < end; ++layer) {
-      const auto& profile = model.layers[static_cast<size_t>(layer)];
-      cost.forward += forward_at(profile, micro, model, calibration);
-      cost.backward_input += backward_input_at(profile, micro, model, calibration);
-      cost.backward_weight += backward_weight_at(profile, micro, model, calibration);
+  // The stages' costs with `busy` of the world's ranks computing at once.
+  const auto stage_costs = [&](double busy) {
+    const auto calibration = with_contention(model, given, busy, configuration.world);
+    std::vector<pipeline::ActionCosts> costs(static_cast<size_t>(stages));
+    for (int stage = 0; stage < stages; ++stage) {
+      auto& cost = costs[static_cast<size_t>(stage)];
+      cost.forward = cost.backward_input = cost.backward_weight = 0;
+      const auto [first, end] = std::pair(bounds[static_cast<size_t>(stage)], bounds[static_cast<size_t>(stage) + 1]);
+      for (int64_t layer = first; layer < end; ++layer) {
+        const auto& profile = model.layers[static_cast<size_t>(layer)];
+        cost.forward += forward_at(profile, micro, model, calibration);
+        cost.backward_input += backward_input_at(profile, micro, model, calibration);
+        cost.backward_weight += backward_weight_at(profile, micro, model, calibration);
+      }
+      cost.forward += calibration.per_action_ms;
+      cost.backward_input += calibration.per_action_ms;
+      cost.backward_weight += calibration.per_action_ms;
+      cost.backward = cost.backward_input + cost.backward_weight - calibration.per_action_ms;
+      // The simulator charges one transfer time per sending stage, for activations forward and gradients
+      // back: the larger of the two.
+      const auto boundary_bytes = [&](int64_t layer) {
+        return at_samples(model.layers[static_cast<size_t>(layer)].output_bytes, micro, model);
+      };
+      const int64_t forward_bytes = stage + 1 < stages ? boundary_bytes(bounds[static_cast<size_t>(stage) + 1] - 1) : 0;
+      const int64_t backward_bytes = stage > 0 ? boundary_bytes(bounds[static_cast<size_t>(stage)] - 1) : 0;
+      const auto sent = static_cast<double>(std::max(forward_bytes, backward_bytes));
+      cost.transfer = stages > 1 ? network.send_recv.milliseconds(sent) + calibration.per_transfer_ms : 0.0;
     }
-    cost.forward += calibration.per_action_ms;
-    cost.backward_input += calibration.per_action_ms;
-    cost.backward_weight += calibration.per_action_ms;
-    cost.backward = cost.backward_input + cost.backward_weight - calibration.per_action_ms;
-    // The simulator charges one transfer time per sending stage, for activations forward and gradients
-    // back: the larger of the two.
-    const auto boundary_bytes = [&](int64_t layer) {
-      return at_samples(model.layers[static_cast<size_t>(layer)].output_bytes, micro, model);
-    };
-    const int64_t forward_bytes = stage + 1 < stages ? boundary_bytes(bounds[static_cast<size_t>(stage) + 1] - 1) : 0;
-    const int64_t backward_bytes = stage > 0 ? boundary_bytes(bounds[static_cast<size_t>(stage)] - 1) : 0;
-    const auto sent = static_cast<double>(std::max(forward_bytes, backward_bytes));
-    cost.transfer = stages > 1 ? network.send_recv.milliseconds(sent) + calibration.per_transfer_ms : 0.0;
-  }
+    return costs;
+  };
+  // How many ranks compute at once follows from the bubble: simulate alone, then with that many busy.
+  const double alone_bubble = pipeline::simulate(spec, stage_costs(1)).bubble_fraction;
+  const auto costs = stage_costs(configuration.world * (1 - alone_bubble));
   const auto simulation = pipeline::simulate(spec, costs);
+  const auto calibration = with_contention(model, given, configuration.world * (1 - alone_bubble), configuration.world);
 
   Prediction prediction;
   prediction.configuration = configuration;
@@ -245,26 +308,34 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& net
   return prediction;
 }
 
-Prediction predict_parameter_server(const ModelProfile& model, const NetworkProfile& network,
+Prediction predict_parameter_server(const ModelProfile& model, const NetworkProfile& idle_network,
                                     const TrainingSetup& setup, const Configuration& configuration,
-                                    const Calibration& calibration) {
+                                    const Calibration& given) {
   const int servers = configuration.servers;
   const int workers = configuration.world - servers;
+  const auto calibration = with_contention(model, given, workers, configuration.world);
+  const auto network = under_load(idle_network, given);
   TORCH_CHECK(servers >= 1 && workers >= 1, configuration.world, " ranks cannot hold ", servers,
               " server(s) and at least one worker");
   check_divides(setup.batch, workers, "workers");
   const int64_t samples = setup.batch / workers;
   const auto parameters = static_cast<double>(model.parameter_bytes());
-  // A bucket's push and the pull of its new values: the worker copies both ways; each server's part is
-  // one message, the servers answering in parallel.
+  // A bucket's round trip: the worker copies its gradients into the push, each server (answering its
+  // part in parallel with the others) applies the optimizer to it and copies its values into the
+  // reply, which the worker copies into its parameters (under BSP the server applies once every worker
+  // pushed: the slowest worker's round trip, which the workers' symmetry makes this one).
   const auto step = overlapped_step(model, samples, {static_cast<size_t>(configuration.bucket_bytes)}, calibration,
-                                    [&](double bytes) {
-                                      return 2 * (network.send_recv.alpha_ms + network.send_recv.ms_per_byte * bytes);
+                                    0.0, [&](double bytes) {
+                                      const double part = bytes / servers;
+                                      return 2 * network.send_recv.milliseconds(part) +
+                                             network.copy.ms_per_byte * (2 * bytes + part) +
+                                             setup.optimizer_ms_per_byte * part + calibration.ps_ms_per_byte * bytes;
                                     });
   // Each server receives every worker's push of its share and answers every pull, and applies the
   // optimizer to its share once per step (synchronous) or per push (asynchronous).
   const double share = parameters / servers;
-  const double server_ms = workers * network.send_recv.milliseconds(2 * share) +
+  const double server_ms = workers * (network.send_recv.milliseconds(2 * share) +
+                                      (network.copy.ms_per_byte + calibration.ps_ms_per_byte) * share) +
                            setup.optimizer_ms_per_byte * share * (configuration.synchronous ? 1 : workers);
   const double worker_ms = step.forward_ms + step.finish_ms;
   Prediction prediction;
@@ -292,40 +363,73 @@ Prediction predict(const ModelProfile& model, const NetworkProfile& network, con
   TORCH_CHECK(false, "plan: unknown strategy");
 }
 
-Calibration fit_calibration(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
-                            const std::vector<Configuration>& configurations, const std::vector<double>& measured_ms) {
-  TORCH_CHECK(configurations.size() == measured_ms.size() && !measured_ms.empty(),
-              "fit_calibration: one measurement per configuration");
-  const auto error = [&](const Calibration& calibration) {
-    double sum = 0;
-    for (size_t i = 0; i < configurations.size(); ++i) {
-      sum += std::abs(predict(model, network, setup, configurations[i], calibration).step_ms - measured_ms[i]) /
-             measured_ms[i];
-    }
-    return sum / static_cast<double>(measured_ms.size());
-  };
+Calibration fit_calibration(const std::vector<CalibrationSample>& samples, const Calibration& start) {
+  TORCH_CHECK(!samples.empty(), "fit_calibration: no measured configuration to learn from");
+  for (const auto& sample : samples) {
+    TORCH_CHECK(sample.measured_ms > 0, "fit_calibration: ", sample.configuration.describe(), " measured ",
+                sample.measured_ms, " ms");
+  }
   struct Knob {
     double Calibration::*field;
-    double low, high, step;
+    double low, high, resolution;
+    double unit;  // a departure from `start` of one unit costs as much as a 10% error on every sample
   };
-  const Knob knobs[] = {{&Calibration::compute_scale, 0.5, 4.0, 0.05},
-                        {&Calibration::per_action_ms, 0.0, 2.0, 0.01},
-                        {&Calibration::per_transfer_ms, 0.0, 2.0, 0.01},
-                        {&Calibration::per_step_ms, 0.0, 5.0, 0.02}};
-  Calibration best;
-  double best_error = error(best);
-  for (int round = 0; round < 4; ++round) {  // each knob in turn, with the others where they are
+  const Knob knobs[] = {{&Calibration::compute_scale, 0.5, 4.0, 0.005, 1.0},
+                        {&Calibration::communication_scale, 0.5, 4.0, 0.005, 1.0},
+                        {&Calibration::overlap, 0.0, 1.0, 0.005, 1.0},
+                        {&Calibration::per_action_ms, 0.0, 2.0, 0.001, 1.0},
+                        {&Calibration::per_transfer_ms, 0.0, 2.0, 0.001, 1.0},
+                        {&Calibration::per_step_ms, 0.0, 5.0, 0.002, 5.0},
+                        {&Calibration::ps_ms_per_byte, 0.0, 2.0 / (1 << 20), 0.002 / (1 << 20), 1.0 / (1 << 20)}};
+  // Mean squared relative error (smooth, so a compass search does not stall on a kink), plus a small
+  // pull towards `start`, so that a few noisy samples do not swing knobs they barely constrain.
+  const auto error = [&](const Calibration& calibration) {
+    double sum = 0;
+    for (const auto& sample : samples) {
+      const double predicted =
+          predict(sample.model, sample.network, sample.setup, sample.configuration, calibration).step_ms;
+      const double relative = (predicted - sample.measured_ms) / sample.measured_ms;
+      sum += relative * relative;
+    }
+    double pull = 0;
     for (const auto& knob : knobs) {
-      for (double value = knob.low; value <= knob.high + 1e-9; value += knob.step) {
+      const double departure = (calibration.*knob.field - start.*knob.field) / knob.unit;
+      pull += 0.01 * departure * departure;
+    }
+    return sum / static_cast<double>(samples.size()) + pull;
+  };
+  Calibration best = start;
+  std::vector<double> steps;
+  for (const auto& knob : knobs) {
+    best.*knob.field = std::clamp(best.*knob.field, knob.low, knob.high);
+    steps.push_back((knob.high - knob.low) / 4);
+  }
+  double best_error = error(best);
+  // Compass search: move one knob by its step while that helps; when no move helps, halve the steps.
+  for (int iteration = 0; iteration < 2000; ++iteration) {
+    bool moved = false;
+    for (size_t k = 0; k < std::size(knobs) && !moved; ++k) {
+      for (const double sign : {1.0, -1.0}) {
         Calibration candidate = best;
-        candidate.*knob.field = value;
+        candidate.*knobs[k].field = std::clamp(best.*knobs[k].field + sign * steps[k], knobs[k].low, knobs[k].high);
         const double candidate_error = error(candidate);
         if (candidate_error < best_error) {
           best = candidate;
           best_error = candidate_error;
+          moved = true;
+          break;
         }
       }
     }
+    if (moved) continue;
+    bool finer = false;
+    for (size_t k = 0; k < std::size(knobs); ++k) {
+      if (steps[k] > knobs[k].resolution) {
+        steps[k] /= 2;
+        finer = true;
+      }
+    }
+    if (!finer) break;
   }
   return best;
 }

@@ -31,7 +31,16 @@ struct LayerProfile {
 struct ModelProfile {
   int64_t batch = 1;  // the samples the layers were profiled with
   std::vector<LayerProfile> layers;
+  // A rank's compute with every rank of the world computing at once over alone (measure_model_pass):
+  // above 1 when ranks share cores or memory bandwidth. A configuration with fewer ranks busy at a
+  // time (a pipeline's bubble, a parameter server's idle servers) slows in proportion.
+  double contention = 1.0;
   int64_t parameter_bytes() const;
+  double compute_ms() const;  // every layer's forward and backward at `batch` samples
+  // The same profile with every time scaled so that compute_ms() is `pass_ms`: layers timed one at a
+  // time give the shape (which layer, which part, what overhead), a longer run of whole passes the
+  // level, which is steadier on a shared machine.
+  ModelProfile scaled_to(double pass_ms) const;
 };
 
 // A collective's or transfer's cost, α + β · bytes, fitted from measurements (see network_profile).
@@ -41,25 +50,37 @@ struct LinkCost {
   double milliseconds(double bytes) const { return bytes > 0 ? alpha_ms + ms_per_byte * bytes : 0; }
 };
 
-// The process group's operations, measured over all of its ranks (send_recv: between two of them).
+// The process group's operations, measured over all of its ranks (send_recv: between two of them), and
+// one rank's memory copy while every rank copies (gradients into buckets, payloads into messages).
 struct NetworkProfile {
   LinkCost all_reduce;
   LinkCost send_recv;
+  LinkCost copy;
 };
 
 // What the model learns from measured runs (plan --verify), applied to every prediction:
-//   compute_scale       measured compute / profiled compute when all ranks compute at once (ranks
-//                       sharing cores or memory bandwidth slow each other)
+//   compute_scale       compute in a strategy's step / the profile's (with its contention): what
+//                       the step adds around the layers (Python hooks, the schedule's own work)
+//   communication_scale the process group's operations while ranks compute / idle (ranks sharing
+//                       cores wait for the scheduler between the hops of a collective)
+//   overlap             the share of gradient communication (DDP's all-reduces, a worker's pushes and
+//                       pulls) that hides behind backward: 1 when every rank has a spare core for its
+//                       communication thread, 0 when that thread takes the core backward runs on
 //   per_action_ms       host work per pipeline compute action (F, B, I, W) that the layers' own
 //                       times do not hold: the schedule's bookkeeping, the loss call, gradient hooks
 //   per_transfer_ms     host work per pipeline transfer that the link cost does not see (headers,
 //                       copies, posting the receive)
 //   per_step_ms         fixed cost per step (optimizer launch, Python, barriers)
+//   ps_ms_per_byte      a parameter server's host work per byte of a bucket's round trip beyond the
+//                       measured copies and optimizer (encoding, request checks, the table's update)
 struct Calibration {
   double compute_scale = 1.0;
+  double communication_scale = 1.0;
+  double overlap = 1.0;
   double per_action_ms = 0.0;
   double per_transfer_ms = 0.0;
   double per_step_ms = 0.0;
+  double ps_ms_per_byte = 0.0;
 };
 
 // Bytes of optimizer state per parameter byte: SGD 0 (1 with momentum), Adam/AdamW 2.
@@ -113,15 +134,26 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
 Prediction predict(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
                    const Configuration& configuration, const Calibration& calibration = {});
 
-// The calibration under which the predictions of `configurations` come closest to `measured_ms`
-// (least mean relative error; coordinate descent from no calibration over compute_scale in [0.5, 4],
-// per_action_ms and per_transfer_ms in [0, 2], per_step_ms in [0, 5]).
-Calibration fit_calibration(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
-                            const std::vector<Configuration>& configurations, const std::vector<double>& measured_ms);
+// One verified configuration: what its prediction was made from, and its measured step time.
+struct CalibrationSample {
+  ModelProfile model;
+  NetworkProfile network;
+  TrainingSetup setup;
+  Configuration configuration;
+  double measured_ms = 0;
+};
+
+// The calibration under which the predictions of `samples` (from any models and runs on one machine)
+// come closest to what was measured (least mean relative error; coordinate descent from `start` over
+// compute_scale and communication_scale in [0.5, 4], overlap in [0, 1], per_action_ms and per_transfer_ms in [0, 2] ms,
+// per_step_ms in [0, 5] ms, ps_ms_per_byte in [0, 2] ms/MiB).
+Calibration fit_calibration(const std::vector<CalibrationSample>& samples, const Calibration& start = {});
 
 // Gradient buckets of DDP (or pushes of RemoteParameters) overlapping backward: bucket k becomes ready
 // at `ready_ms[k]` (backward time when its last gradient is final) and takes `cost_ms[k]`; buckets go
-// out one at a time in order. Returns when the last one finishes.
-double overlapped_finish_ms(const std::vector<double>& ready_ms, const std::vector<double>& cost_ms);
+// out one at a time in order. Returns when the last one finishes, with `overlap` (Calibration::overlap)
+// of the hiding behind backward that free overlap would give: at 0, backward then every bucket in turn.
+double overlapped_finish_ms(const std::vector<double>& ready_ms, const std::vector<double>& cost_ms,
+                            double backward_ms, double overlap = 1.0);
 
 } // namespace torchpar::plan

@@ -1,16 +1,20 @@
 #include <torchpar/plan/profile.h>
 
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <functional>
+#include <memory>
 
 namespace torchpar::plan {
 namespace {
@@ -145,9 +149,15 @@ ModelProfile profile_layers(const std::vector<pipeline::LayerFactory>& factories
       copy.mutable_grad() = at::ones_like(copy);
       copies.push_back(copy);
     }
-    torch::optim::SGD optimizer(copies, torch::optim::SGDOptions(1e-6).momentum(0.9));
+    // The optimizer the setup's state implies: Adam keeps two moments, SGD with momentum one.
+    std::unique_ptr<torch::optim::Optimizer> optimizer;
+    if (setup->optimizer_state_factor >= 2) {
+      optimizer = std::make_unique<torch::optim::Adam>(copies, torch::optim::AdamOptions(1e-6));
+    } else {
+      optimizer = std::make_unique<torch::optim::SGD>(copies, torch::optim::SGDOptions(1e-6).momentum(0.9));
+    }
     setup->optimizer_ms_per_byte =
-        median_ms(repeats, [&] { optimizer.step(); }) / static_cast<double>(model.parameter_bytes());
+        median_ms(repeats, [&] { optimizer->step(); }) / static_cast<double>(model.parameter_bytes());
   }
   return model;
 }
@@ -180,7 +190,7 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
     group->allreduce(value, {c10d::ReduceOp::MAX})->wait();
     return value[0].item<double>();
   };
-  std::vector<double> sizes, all_reduce_ms, transfer_ms;
+  std::vector<double> sizes, all_reduce_ms, transfer_ms, copy_ms;
   for (const int64_t size : sizes_bytes) {
     std::vector<at::Tensor> buffer{at::zeros({std::max<int64_t>(1, size / 4)}, at::kFloat)};
     group->barrier()->wait();
@@ -198,13 +208,67 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
         }
       }) / 2;
     }
+    group->barrier()->wait();
+    auto destination = at::empty_like(buffer[0]);
+    const double copy = median_ms(repeats, [&] { destination.copy_(buffer[0]); });
     sizes.push_back(static_cast<double>(buffer[0].nbytes()));
     all_reduce_ms.push_back(slowest(reduce));
     transfer_ms.push_back(slowest(pingpong));
+    copy_ms.push_back(slowest(copy));
   }
   network.all_reduce = fit_link_cost(sizes, all_reduce_ms);
   network.send_recv = fit_link_cost(sizes, transfer_ms);
+  network.copy = fit_link_cost(sizes, copy_ms);
   return network;
+}
+
+ModelPassTimes measure_model_pass(const std::vector<pipeline::LayerFactory>& factories,
+                                  const pipeline::Tensors& sample,
+                                  const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  TORCH_CHECK(!factories.empty() && !sample.empty(), "plan: a model of at least one layer and a sample");
+  std::vector<pipeline::Layer> layers;
+  for (const auto& factory : factories) layers.push_back(factory());
+  const auto pass = [&] {
+    pipeline::Tensors current = sample;
+    for (auto& layer : layers) current = layer.forward(current);
+    pipeline::Tensors roots, seeds;
+    for (const auto& output : current) {
+      if (output.requires_grad()) {
+        roots.push_back(output);
+        seeds.push_back(at::ones_like(output));
+      }
+    }
+    if (!roots.empty()) torch::autograd::backward(roots, seeds);
+    for (auto& layer : layers) {
+      for (auto& parameter : layer.parameters) parameter.mutable_grad() = at::Tensor();
+    }
+  };
+  const auto all_ranks = [&](double value, c10d::ReduceOp::RedOpType op) {
+    std::vector<at::Tensor> tensor{at::full({1}, value, at::kDouble)};
+    group->allreduce(tensor, {op})->wait();
+    return tensor[0].item<double>();
+  };
+  const auto passes_ms = [&](int passes) {
+    const auto start = Clock::now();
+    for (int i = 0; i < passes; ++i) pass();
+    return elapsed_ms(start) / passes;
+  };
+  constexpr double kTargetMs = 200;
+  double alone = 0, passes = 0;
+  if (group->getRank() == 0) {
+    pass();  // allocations, lazy initialisation
+    const double first = std::max(passes_ms(1), 1e-3);
+    passes = std::clamp(std::ceil(kTargetMs / first), 3.0, 200.0);
+    alone = passes_ms(static_cast<int>(passes));
+  } else {
+    pass();
+  }
+  ModelPassTimes times;
+  passes = all_ranks(passes, c10d::ReduceOp::MAX);
+  times.alone_ms = all_ranks(alone, c10d::ReduceOp::MAX);
+  group->barrier()->wait();
+  times.together_ms = all_ranks(passes_ms(static_cast<int>(passes)), c10d::ReduceOp::MAX);
+  return times;
 }
 
 } // namespace torchpar::plan

@@ -14,8 +14,8 @@ namespace torchpar::plan {
 // from `sample` (a batch of sample.size(0) samples), and takes the median of `repeats` runs of: the
 // forward, the backward of the input gradient alone, and the whole backward (the weight part is the
 // difference). Activation bytes are estimated as the layer's input and output bytes (what Linear, ReLU
-// and most layers keep for backward). Also measures the optimizer (SGD with momentum) per parameter byte
-// into `setup` when given.
+// and most layers keep for backward). Also measures the optimizer per parameter byte into `setup` when
+// given: Adam if its optimizer_state_factor is 2 or more, else SGD with momentum.
 ModelProfile profile_layers(const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample,
                             int repeats = 5, TrainingSetup* setup = nullptr);
 
@@ -23,10 +23,21 @@ ModelProfile profile_layers(const std::vector<pipeline::LayerFactory>& factories
 LinkCost fit_link_cost(const std::vector<double>& bytes, const std::vector<double>& milliseconds);
 
 // Collective over `group` (every rank calls it): times all-reduces of float32 tensors of `sizes_bytes`
-// (the slowest rank's median of `repeats`), and a ping-pong between ranks 0 and 1 (half its round
-// trip), and fits each. A group of one rank costs nothing.
+// (the slowest rank's median of `repeats`), a ping-pong between ranks 0 and 1 (half its round trip),
+// and a memory copy on every rank at once, and fits each. A group of one rank costs nothing.
 NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                const std::vector<int64_t>& sizes_bytes = {4 << 10, 256 << 10, 4 << 20},
                                int repeats = 5);
+
+// The whole model's forward and backward on `sample`, timed over about 0.2 s of passes: first on rank 0
+// alone, then on every rank of `group` at once (the slowest rank's time); every rank calls it. Ranks
+// sharing cores, or cores sharing memory bandwidth, show as `together` over `alone`.
+struct ModelPassTimes {
+  double alone_ms = 0;
+  double together_ms = 0;
+};
+ModelPassTimes measure_model_pass(const std::vector<pipeline::LayerFactory>& factories,
+                                  const pipeline::Tensors& sample,
+                                  const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
 } // namespace torchpar::plan

@@ -16,25 +16,19 @@ docs/planner.md for what each prediction counts.
 from __future__ import annotations
 
 import copy
-import json
-import os
-import pathlib
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
 from torchpar._C import plan as _engine
+from torchpar.plan.calibration import Calibration, default_calibration, learn as learn_calibration, load_calibration
 from torchpar.plan.model import OPTIMIZER_STATE, Model, load_model
 
-__all__ = ["Calibration", "Model", "calibrate", "default_calibration", "load_calibration", "load_model", "measure_network", "plan",
-           "predict_step_ms", "profile", "render_table", "save_calibration"]
+__all__ = ["Calibration", "Model", "calibration_sample", "default_calibration", "learn_calibration",
+           "load_calibration", "load_model", "measure_model_pass", "measure_network", "plan", "predict_step_ms",
+           "profile", "render_table"]
 
-Calibration = _engine.Calibration
 render_table = _engine.render_table
-CALIBRATION_FIELDS = ("compute_scale", "per_action_ms", "per_transfer_ms", "per_step_ms")
-CALIBRATION_FILE = pathlib.Path(os.environ.get("TORCHPAR_PLAN_CALIBRATION",
-                                               pathlib.Path.home() / ".cache" / "torchpar" / "plan_calibration.json"))
 
 
 def profile(model: Model, batch: int, repeats: int = 5):
@@ -44,12 +38,23 @@ def profile(model: Model, batch: int, repeats: int = 5):
 
     inputs, _ = model.sample(batch)
     factories = [lambda i=i: _layer(str(i), copy.deepcopy(model.build(i))) for i in range(len(model.layers))]
-    return _engine.profile_layers(factories, _as_tensors(inputs), repeats)
+    return _engine.profile_layers(factories, _as_tensors(inputs), repeats, OPTIMIZER_STATE[model.optimizer])
+
+
+def measure_model_pass(model: Model, batch: int, group: Optional[dist.ProcessGroup] = None):
+    """The whole model's forward and backward at `batch` samples, about 0.2 s of passes on rank 0 alone, then
+    on every rank of `group` at once (every rank calls it): ``.alone_ms``, ``.together_ms``."""
+    from torchpar.pipeline import _as_tensors, _layer
+
+    inputs, _ = model.sample(batch)
+    factories = [lambda i=i: _layer(str(i), copy.deepcopy(model.build(i))) for i in range(len(model.layers))]
+    return _engine.measure_model_pass(factories, _as_tensors(inputs), group if group is not None else dist.group.WORLD)
 
 
 def measure_network(group: Optional[dist.ProcessGroup] = None,
                     sizes_bytes: Sequence[int] = (4 << 10, 256 << 10, 4 << 20), repeats: int = 5):
-    """α + β · bytes of all-reduce and of a transfer between two ranks over `group` (every rank calls it)."""
+    """α + β · bytes of all-reduce and of a transfer between two ranks over `group`, and of a memory copy on
+    every rank at once (every rank calls it)."""
     return _engine.measure_network(group if group is not None else dist.group.WORLD, list(sizes_bytes), repeats)
 
 
@@ -61,12 +66,14 @@ def plan(model: Model, model_profile, network, *, batch: int, world: int, memory
                         calibration or Calibration(), world, memory_per_rank, list(microbatches))
 
 
-def calibrate(model: Model, model_profile, network, *, batch: int, optimizer_ms_per_byte: float,
-              configurations, measured_ms: Sequence[float]) -> Calibration:
-    """What the measured runs teach the cost model (C++ ``fit_calibration``): how much slower the ranks
-    compute together, and the host time per pipeline action, per transfer and per step."""
-    return _engine.fit_calibration(model_profile, network, _setup(model, batch, optimizer_ms_per_byte),
-                                   list(configurations), list(measured_ms))
+def calibration_sample(model: Model, model_profile, network, configuration, *, batch: int,
+                       optimizer_ms_per_byte: float, measured_ms: float):
+    """One verified configuration, for :func:`learn_calibration`."""
+    sample = _engine.CalibrationSample()
+    sample.model, sample.network, sample.configuration = model_profile, network, configuration
+    sample.setup = _setup(model, batch, optimizer_ms_per_byte)
+    sample.measured_ms = measured_ms
+    return sample
 
 
 def _setup(model: Model, batch: int, optimizer_ms_per_byte: float):
@@ -81,37 +88,3 @@ def predict_step_ms(model: Model, model_profile, network, configuration, *, batc
                     optimizer_ms_per_byte: float, calibration: Optional[Calibration] = None) -> float:
     return _engine.predict(model_profile, network, _setup(model, batch, optimizer_ms_per_byte), configuration,
                            calibration or Calibration()).step_ms
-
-
-def default_calibration(world: int) -> Calibration:
-    """Before any --verify: ranks that outnumber this machine's cores share them, so each computes
-    world / cores times slower."""
-    calibration = Calibration()
-    calibration.compute_scale = max(1.0, world / (os.cpu_count() or 1))
-    return calibration
-
-
-def _calibration_key(world: int, backend: str) -> str:
-    return f"{torch.__version__}/{backend}/{world} ranks/{torch.get_num_threads()} threads"
-
-
-def load_calibration(world: int, backend: str, path: pathlib.Path = CALIBRATION_FILE) -> Optional[Calibration]:
-    """What an earlier --verify on this machine learned for this world and backend, if any."""
-    try:
-        saved = json.loads(path.read_text())[_calibration_key(world, backend)]
-    except (OSError, ValueError, KeyError):
-        return None
-    calibration = Calibration()
-    for field in CALIBRATION_FIELDS:
-        setattr(calibration, field, saved[field])
-    return calibration
-
-
-def save_calibration(calibration: Calibration, world: int, backend: str, path: pathlib.Path = CALIBRATION_FILE):
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        saved = {}
-    saved[_calibration_key(world, backend)] = {field: getattr(calibration, field) for field in CALIBRATION_FIELDS}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(saved, indent=1))

@@ -4,13 +4,13 @@
                             [--verify 3 [--verify-each-strategy]] [--backend gloo|shm] [--out torchpar-plan]
     torchrun --nproc-per-node=4 -m torchpar.plan --model pkg.module:factory --batch 64
 
-Profiles the model's layers on one rank, measures the process group's all-reduce and transfers on all of
-them, predicts every strategy (DDP, pipeline schedules x micro-batches x replicas, parameter server x
-servers, BSP and ASP) and prints them ranked by predicted step time, with the configurations that are out
-and why, and the best one as C++ and Python code. --verify K runs the top K for a few steps and prints
-predicted against measured; what it learns (how much slower the ranks compute together than one alone)
-is kept in ~/.cache/torchpar/plan_calibration.json ($TORCHPAR_PLAN_CALIBRATION) and applied to later plans
-on this machine.
+Profiles the model's layers on one rank, times whole passes alone and with every rank at once, measures
+the process group's all-reduce and transfers and a memory copy on all of them, predicts every strategy (DDP,
+pipeline schedules x micro-batches x replicas, parameter server x servers, BSP and ASP) and prints them
+ranked by predicted step time, with the configurations that are out and why, and the best one as C++ and
+Python code. --verify K runs the top K for a few steps and prints predicted against measured; each run is
+kept as a sample in ~/.cache/torchpar/plan_calibration.json ($TORCHPAR_PLAN_CALIBRATION), and the
+calibration fitted to all of them applies to later plans on this machine.
 Writes <out>/plan.json and <out>/plan.png. Without torchrun it spawns --world ranks itself.
 """
 from __future__ import annotations
@@ -26,6 +26,8 @@ import re
 
 import torch
 import torch.distributed as dist
+
+from torchpar.plan.calibration import FIELDS as CALIBRATION_FIELDS, describe as describe_calibration
 
 logger = logging.getLogger("torchpar.plan")
 UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -124,28 +126,33 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                     max(1, args.batch // world))
         model_profile, optimizer_ms_per_byte = planner.profile(model, max(1, args.batch // world))
     dist.barrier(group=control)
+    passes = planner.measure_model_pass(model, max(1, args.batch // world), control)
     network = planner.measure_network(group)
     if rank == 0:
+        logger.info("the whole model's forward and backward: %.2f ms alone, %.2f ms with %d ranks at once; the "
+                    "layers one at a time: %.2f ms (scaled to the whole model's alone)", passes.alone_ms,
+                    passes.together_ms, world, model_profile.compute_ms)
+        model_profile = model_profile.scaled_to(passes.alone_ms)
+        model_profile.contention = passes.together_ms / passes.alone_ms
         calibration = planner.load_calibration(world, args.backend)
         learned = calibration is not None
         calibration = calibration or planner.default_calibration(world)
         result = planner.plan(model, model_profile, network, batch=args.batch, world=world,
                               memory_per_rank=args.memory_per_rank, optimizer_ms_per_byte=optimizer_ms_per_byte,
                               calibration=calibration)
-        logger.info("all-reduce %.3f ms + %.3f ms/MiB, transfer %.3f ms + %.3f ms/MiB (%s, %d ranks)%s",
-                    network.all_reduce.alpha_ms, network.all_reduce.ms_per_byte * 2**20,
+        logger.info("all-reduce %.3f ms + %.3f ms/MiB, transfer %.3f ms + %.3f ms/MiB (%s, %d ranks), copy %.3f "
+                    "ms/MiB; %s", network.all_reduce.alpha_ms, network.all_reduce.ms_per_byte * 2**20,
                     network.send_recv.alpha_ms, network.send_recv.ms_per_byte * 2**20, args.backend, world,
-                    f"; calibration from an earlier --verify: compute x {calibration.compute_scale:.2f}, "
-                    f"{calibration.per_action_ms:.2f} ms per action, {calibration.per_transfer_ms:.2f} ms per "
-                    f"transfer, {calibration.per_step_ms:.2f} ms per step" if learned else
-                    f"; compute x {calibration.compute_scale:.2f} ({world} ranks on {os.cpu_count()} cores)")
+                    network.copy.ms_per_byte * 2**20,
+                    ("calibration from earlier --verify runs: " if learned else "default calibration: ") +
+                    describe_calibration(calibration))
         print(planner.render_table(result), flush=True)
         if result.ranked:
             print("recommended, C++:\n" + result.recommended_cpp + "\nrecommended, Python:\n" +
                   result.recommended_python, flush=True)
         report = dict(model=args.model, batch=args.batch, world=world, backend=args.backend,
                       memory_per_rank_cap=args.memory_per_rank,
-                      calibration={f: getattr(calibration, f) for f in planner.CALIBRATION_FIELDS},
+                      calibration={f: getattr(calibration, f) for f in CALIBRATION_FIELDS},
                       calibration_learned=learned,
                       ranked=[prediction_fields(p) for p in result.ranked],
                       excluded=[dict(configuration=e.configuration.describe(), reason=e.reason)
@@ -174,20 +181,20 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                 report["verified"].append(dict(configuration=entry["configuration"], predicted_ms=entry["step_ms"],
                                                measured_ms=milliseconds))
             configurations = [configuration_from(e["fields"]) for e in chosen[0]]
-            learned = planner.calibrate(model, model_profile, network, batch=args.batch,
-                                        optimizer_ms_per_byte=optimizer_ms_per_byte,
-                                        configurations=configurations, measured_ms=measured)
-            planner.save_calibration(learned, world, args.backend)
+            samples = [planner.calibration_sample(model, model_profile, network, configuration, batch=args.batch,
+                                                  optimizer_ms_per_byte=optimizer_ms_per_byte, measured_ms=ms)
+                       for configuration, ms in zip(configurations, measured)]
+            learned, sample_count = planner.learn_calibration(samples, world, args.backend)
             for row, configuration in zip(report["verified"], configurations):
                 row["calibrated_ms"] = planner.predict_step_ms(model, model_profile, network, configuration,
                                                                batch=args.batch,
                                                                optimizer_ms_per_byte=optimizer_ms_per_byte,
                                                                calibration=learned)
-            report["learned_calibration"] = {f: getattr(learned, f) for f in planner.CALIBRATION_FIELDS}
+            report["learned_calibration"] = {f: getattr(learned, f) for f in CALIBRATION_FIELDS}
+            report["calibration_samples"] = sample_count
             print(f"verified (step ms): configuration | predicted | measured | error | calibrated | error\n"
-                  f"  (calibrated: compute x {learned.compute_scale:.2f}, {learned.per_action_ms:.2f} ms per pipeline "
-                  f"action, {learned.per_transfer_ms:.2f} ms per transfer, {learned.per_step_ms:.2f} ms per step)",
-                  flush=True)
+                  f"  (predicted: with the calibration above; calibrated: fitted to {sample_count} verified runs "
+                  f"on this machine, these included: {describe_calibration(learned)})", flush=True)
             for row in report["verified"]:
                 error = abs(row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
                 calibrated = abs(row["calibrated_ms"] - row["measured_ms"]) / row["measured_ms"]

@@ -1,0 +1,146 @@
+"""What ``--verify`` teaches the cost model, kept per machine: every verified configuration (the profile and
+network measurements its prediction came from, and its measured step time) is a sample; the calibration is
+the C++ ``fit_calibration`` over the samples of this torch version, backend, world size and thread count,
+across runs and models, so one noisy run does not decide it.
+
+Kept in ``~/.cache/torchpar/plan_calibration.json`` (or ``$TORCHPAR_PLAN_CALIBRATION``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Optional, Sequence
+
+import torch
+
+from torchpar._C import plan as _engine
+
+Calibration = _engine.Calibration
+FIELDS = ("compute_scale", "communication_scale", "overlap", "per_action_ms", "per_transfer_ms", "per_step_ms", "ps_ms_per_byte")
+FILE = pathlib.Path(os.environ.get("TORCHPAR_PLAN_CALIBRATION",
+                                   pathlib.Path.home() / ".cache" / "torchpar" / "plan_calibration.json"))
+KEPT_SAMPLES = 60  # the most recent per key: the machine may change under it
+
+_LAYER_FIELDS = ("name", "forward_ms", "backward_input_ms", "backward_weight_ms", "forward_overhead_ms",
+                 "backward_input_overhead_ms", "backward_weight_overhead_ms", "parameter_bytes", "activation_bytes",
+                 "output_bytes")
+_CONFIGURATION_FIELDS = ("world", "replicas", "schedule", "microbatches", "virtual_stages", "balance", "servers",
+                         "synchronous")
+
+
+def default_calibration(world: int) -> Calibration:
+    """Before any --verify: gradient communication hidden behind backward only when every rank has a core to
+    spare for its communication thread (2 x world cores; in between, in proportion)."""
+    calibration = Calibration()
+    calibration.overlap = min(1.0, max(0.0, (os.cpu_count() or 1) / world - 1))
+    return calibration
+
+
+def describe(calibration: Calibration) -> str:
+    return (f"compute x {calibration.compute_scale:.2f}, communication x {calibration.communication_scale:.2f}, "
+            f"{100 * calibration.overlap:.0f}% of communication "
+            f"overlapped, {calibration.per_action_ms:.2f} ms per pipeline action, {calibration.per_transfer_ms:.2f} "
+            f"ms per transfer, {calibration.per_step_ms:.2f} ms per step, parameter server "
+            f"+{calibration.ps_ms_per_byte * 2**20:.2f} ms/MiB")
+
+
+def _key(world: int, backend: str) -> str:
+    return f"{torch.__version__}/{backend}/{world} ranks/{torch.get_num_threads()} threads"
+
+
+def _read(path: pathlib.Path) -> dict:
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def _calibration_from(fields: dict) -> Calibration:
+    calibration = Calibration()
+    for field in FIELDS:
+        if field in fields:  # a file from before a field existed keeps that field's default
+            setattr(calibration, field, fields[field])
+    return calibration
+
+
+def load_calibration(world: int, backend: str, path: pathlib.Path = FILE) -> Optional[Calibration]:
+    """What earlier --verify runs on this machine taught for this world and backend, if any."""
+    entry = _read(path).get(_key(world, backend))
+    return _calibration_from(entry["calibration"]) if isinstance(entry, dict) and "calibration" in entry else None
+
+
+def _link(cost) -> list:
+    return [cost.alpha_ms, cost.ms_per_byte]
+
+
+def _link_from(values) -> object:
+    cost = _engine.LinkCost()
+    cost.alpha_ms, cost.ms_per_byte = values
+    return cost
+
+
+def sample_to_json(sample) -> dict:
+    configuration = sample.configuration
+    return dict(
+        measured_ms=sample.measured_ms,
+        batch=sample.model.batch,
+        contention=sample.model.contention,
+        layers=[{field: getattr(layer, field) for field in _LAYER_FIELDS} for layer in sample.model.layers],
+        network={name: _link(getattr(sample.network, name)) for name in ("all_reduce", "send_recv", "copy")},
+        setup=dict(batch=sample.setup.batch, optimizer_state_factor=sample.setup.optimizer_state_factor,
+                   optimizer_ms_per_byte=sample.setup.optimizer_ms_per_byte),
+        configuration=dict(strategy=configuration.strategy.name,
+                           **{field: getattr(configuration, field) for field in _CONFIGURATION_FIELDS}))
+
+
+def sample_from_json(fields: dict):
+    sample = _engine.CalibrationSample()
+    model = _engine.ModelProfile()
+    model.batch = fields["batch"]
+    model.contention = fields["contention"]
+    layers = []
+    for values in fields["layers"]:
+        layer = _engine.LayerProfile()
+        for name in _LAYER_FIELDS:
+            setattr(layer, name, values[name])
+        layers.append(layer)
+    model.layers = layers
+    sample.model = model
+    network = _engine.NetworkProfile()
+    for name, values in fields["network"].items():
+        setattr(network, name, _link_from(values))
+    sample.network = network
+    setup = _engine.TrainingSetup()
+    for name, value in fields["setup"].items():
+        setattr(setup, name, value)
+    sample.setup = setup
+    configuration = _engine.Configuration()
+    configuration.strategy = getattr(_engine.Strategy, fields["configuration"]["strategy"])
+    for name in _CONFIGURATION_FIELDS:
+        setattr(configuration, name, fields["configuration"][name])
+    sample.configuration = configuration
+    sample.measured_ms = fields["measured_ms"]
+    return sample
+
+
+def learn(samples: Sequence, world: int, backend: str, path: pathlib.Path = FILE) -> tuple[Calibration, int]:
+    """Adds `samples` (CalibrationSample) to those kept for this world and backend, fits the calibration to
+    all of them from the default one, keeps both; returns the calibration and how many samples it rests on."""
+    saved = _read(path)
+    key = _key(world, backend)
+    entry = saved.get(key) if isinstance(saved.get(key), dict) else {}
+    kept = []
+    for fields in entry.get("samples", []):
+        try:
+            kept.append(sample_from_json(fields))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue  # written by an older version: its successors will do
+    kept = (kept + list(samples))[-KEPT_SAMPLES:]
+    calibration = _engine.fit_calibration(kept, default_calibration(world))
+    saved[key] = dict(calibration={field: getattr(calibration, field) for field in FIELDS},
+                      samples=[sample_to_json(sample) for sample in kept])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(saved))
+    return calibration, len(kept)
