@@ -124,7 +124,9 @@ TEST_CASE("plan: a parameter server's step is the slower of a worker and a serve
   // workers: 2 x (0.1 + 8) = 16.2 ms: the bottleneck.
   const auto p = plan::predict(equal_layers(2, 2 * kMiB), network(0.1, 1), batch_of(8), ps);
   CHECK(p.step_ms == Approx(16.2));
-  CHECK(p.memory_per_rank == 8 * kMiB + 800);  // a worker: parameters and gradients, its activations
+  // A worker: parameters, gradients, pulled values and replies (16 MiB) and its activations; the server:
+  // its 4 MiB share, momentum, both workers' pushes and their round copies, the mean: 7 x 4 MiB.
+  CHECK(p.memory_per_rank == 28 * kMiB);
   CHECK(p.bytes_per_step == 16 * kMiB);        // the server: both workers' pushes and pulls
 
   // Copies of 0.25 ms/MiB and an optimizer of 0.5 ms/MiB. A worker's round trip: push and pull (8.2 ms),
@@ -226,7 +228,7 @@ TEST_CASE("plan: α and β come back from measurements on a line") {
 
 TEST_CASE("plan: what does not divide or does not fit is excluded with its reason") {
   plan::Planner planner(equal_layers(2, 2 * kMiB), network(0.1, 1), batch_of(8));
-  const auto result = planner.plan(plan::PlanOptions().world(3).memory_per_rank(10 * kMiB));
+  const auto result = planner.plan(plan::PlanOptions().world(3).memory_per_rank(30 * kMiB));
   std::string reasons;
   for (const auto& excluded : result.excluded) {
     reasons += excluded.configuration.describe() + ": " + excluded.reason + "\n";
@@ -235,7 +237,10 @@ TEST_CASE("plan: what does not divide or does not fit is excluded with its reaso
   CHECK_THAT(reasons, Contains("the model has 2 layers, fewer than the 3 stages"));
   REQUIRE_FALSE(result.ranked.empty());
   for (size_t i = 1; i < result.ranked.size(); ++i) CHECK(result.ranked[i - 1].step_ms <= result.ranked[i].step_ms);
-  for (const auto& p : result.ranked) CHECK(p.memory_per_rank <= 10 * kMiB);
+  for (const auto& p : result.ranked) CHECK(p.memory_per_rank <= 30 * kMiB);
+  const auto tight = planner.plan(plan::PlanOptions().world(3).memory_per_rank(20 * kMiB));
+  CHECK(tight.ranked.empty());
+  CHECK_THAT(plan::render_table(tight), Contains("needs 28.0 MiB per rank, over the 20.0 MiB cap"));
   CHECK_THAT(plan::render_table(result), Contains("excluded:"));
 }
 
@@ -261,16 +266,29 @@ TEST_CASE("plan: a deep model over the memory cap goes to the pipeline") {
 }
 
 TEST_CASE("plan: a wide embedding model over the memory cap goes to the parameter server") {
-  // A 96 MiB embedding (little compute) and a small MLP, Adam (2 bytes of state per parameter byte).
-  // Its rank holds it with gradients and Adam's two moments under DDP (and the buckets' copies: 5 x
-  // 96 MiB) and the pipeline (4 x 96 MiB, a layer is not cut); a worker keeps parameters and gradients
-  // (2 x 98 MiB), and two servers the values and state of half each (3 x 49 MiB; one server: 3 x 98).
+  // A 96 MiB embedding table (little compute; each sample touches 8 rows of 256 bytes) and a small MLP,
+  // Adam (2 bytes of state per parameter byte). DDP holds the table with gradients, Adam's two moments
+  // and the buckets' copies (5 x 96 MiB), a pipeline's first stage 4 x 96 MiB (a layer is not cut). The
+  // parameter server keeps the table on the servers as sparse rows: 2 servers hold half of it with its
+  // state (3 x 48 MiB) and the MLP's share; a worker the MLP and the rows its 32 samples touch.
   plan::ModelProfile model = equal_layers(3, kMiB);
   model.layers[0].parameter_bytes = 96 * kMiB;
+  model.layers[0].sparse_parameter_bytes = 96 * kMiB;
+  model.layers[0].sparse_bytes_per_sample = 8 * 256;
   model.layers[0].forward_ms = 0.1;
   const auto result = plan::Planner(model, network(0.05, 0.5), batch_of(64, 2))
                           .plan(plan::PlanOptions().world(4).memory_per_rank(250 * kMiB));
   REQUIRE_FALSE(result.ranked.empty());
-  for (const auto& p : result.ranked) CHECK(p.configuration.strategy == plan::Strategy::ParameterServer);
+  for (const auto& p : result.ranked) {
+    CHECK(p.configuration.strategy == plan::Strategy::ParameterServer);
+    CHECK(p.configuration.servers == 2);
+    CHECK(p.memory_per_rank == Approx((10 * 1 + 3 * 48 + 2 * 2 * 0.0625) * kMiB).epsilon(0.01));  // a server
+    CHECK(p.bytes_per_step < 8 * kMiB);  // the MLP and the touched rows, not the table
+  }
   CHECK_THAT(result.recommended_cpp, Contains("torchpar::ps::ParameterService"));
+  // The same table without sparse rows: a worker would hold it 4 times over, and nothing fits.
+  model.layers[0].sparse_parameter_bytes = 0;
+  CHECK(plan::Planner(model, network(0.05, 0.5), batch_of(64, 2))
+            .plan(plan::PlanOptions().world(4).memory_per_rank(250 * kMiB))
+            .ranked.empty());
 }

@@ -33,8 +33,9 @@ def test_a_deep_mlp_over_the_memory_cap_is_pipelined(tmp_path):
 
 
 def test_a_wide_embedding_over_the_memory_cap_goes_to_the_parameter_server(tmp_path):
-    # ~49 MiB of embedding trained with Adam: DDP holds 5 copies of it, a pipeline stage (it cannot be cut) 4,
-    # a worker 2, and each of 2 servers 3 halves.
+    # ~49 MiB of embedding trained with Adam: DDP holds 5 copies of it, a pipeline stage (it cannot be cut) 4;
+    # the parameter server keeps it as sparse rows, each of 2 servers half of it with Adam's state (3 halves),
+    # a worker only the rows its samples touch.
     report, output = plan(tmp_path, "wide_embedding", "--batch", 60, "--world", 4, "--memory-per-rank", "120MiB")
     assert report["ranked"], output
     assert {p["fields"]["strategy"] for p in report["ranked"]} == {"ps"}, output
@@ -42,6 +43,7 @@ def test_a_wide_embedding_over_the_memory_cap_goes_to_the_parameter_server(tmp_p
     reasons = {e["configuration"]: e["reason"] for e in report["excluded"]}
     assert "over the 120.0 MiB cap" in reasons["ps bsp, 3 workers + 1 server"], reasons
     assert "torchpar.ps.ParameterService(servers=2" in output
+    assert "torchpar.ps.Embedding(service.client" in output and "torchpar::ps::Embedding" in output
 
 
 def test_what_does_not_divide_is_excluded_by_name(tmp_path):
@@ -59,6 +61,10 @@ def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
     assert strategies == {"ddp", "pipeline", "ps"}, output
     for row in report["verified"]:
         assert row["measured_ms"] > 0 and row["predicted_ms"] > 0 and row["calibrated_ms"] > 0
+        assert row["measured_memory"] >= 0 and row["predicted_memory"] > 0
+    # Memory measured as the resident set's growth: the model is small (38 KiB of parameters) and may land in
+    # memory an earlier configuration freed, but a parameter server's channels and buffers do not.
+    assert next(r for r in report["verified"] if r["configuration"].startswith("ps"))["measured_memory"] > 0
     assert "predicted against measured" not in output  # the plot's title, not stdout
     assert "verified (step ms)" in output and "the top-ranked configuration measured" in output
     # What it learned is kept for the next plan on this machine, which says it uses it, with every verified

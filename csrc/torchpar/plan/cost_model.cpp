@@ -319,35 +319,65 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
               " server(s) and at least one worker");
   check_divides(setup.batch, workers, "workers");
   const int64_t samples = setup.batch / workers;
-  const auto parameters = static_cast<double>(model.parameter_bytes());
+  // Embedding tables live on the servers as sparse rows: a worker holds, pulls and pushes only the rows
+  // its samples touch, and its backward makes gradients for those rows alone (the dense layers as before).
+  ModelProfile dense = model;
+  double sparse_table = 0, touched = 0;
+  for (auto& layer : dense.layers) {
+    if (layer.sparse_parameter_bytes <= 0) continue;
+    const double rows = std::min<double>(static_cast<double>(layer.sparse_parameter_bytes),
+                                         static_cast<double>(samples * layer.sparse_bytes_per_sample));
+    const double kept = static_cast<double>(layer.parameter_bytes - layer.sparse_parameter_bytes) + rows;
+    const double share_of_gradient = layer.parameter_bytes > 0 ? kept / static_cast<double>(layer.parameter_bytes) : 0;
+    layer.backward_weight_ms *= share_of_gradient;
+    layer.backward_weight_overhead_ms *= share_of_gradient;
+    layer.parameter_bytes -= layer.sparse_parameter_bytes;
+    sparse_table += static_cast<double>(layer.sparse_parameter_bytes);
+    touched += rows;
+  }
+  const auto parameters = static_cast<double>(dense.parameter_bytes());
   // A bucket's round trip: the worker copies its gradients into the push, each server (answering its
   // part in parallel with the others) applies the optimizer to it and copies its values into the
   // reply, which the worker copies into its parameters (under BSP the server applies once every worker
   // pushed: the slowest worker's round trip, which the workers' symmetry makes this one).
-  const auto step = overlapped_step(model, samples, {static_cast<size_t>(configuration.bucket_bytes)}, calibration,
-                                    0.0, [&](double bytes) {
-                                      const double part = bytes / servers;
-                                      return 2 * network.send_recv.milliseconds(part) +
-                                             network.copy.ms_per_byte * (2 * bytes + part) +
-                                             setup.optimizer_ms_per_byte * part + calibration.ps_ms_per_byte * bytes;
-                                    });
+  const auto round_trip_ms = [&](double bytes) {
+    const double part = bytes / servers;
+    return 2 * network.send_recv.milliseconds(part) + network.copy.ms_per_byte * (2 * bytes + part) +
+           setup.optimizer_ms_per_byte * part + calibration.ps_ms_per_byte * bytes;
+  };
+  const auto step = overlapped_step(dense, samples, {static_cast<size_t>(configuration.bucket_bytes)}, calibration,
+                                    0.0, round_trip_ms);
+  // The touched rows: pulled before forward, their gradients pushed (and applied) after backward.
+  const double rows_ms = touched > 0 ? 2 * round_trip_ms(touched) : 0.0;
   // Each server receives every worker's push of its share and answers every pull, and applies the
-  // optimizer to its share once per step (synchronous) or per push (asynchronous).
+  // optimizer to its share once per step (synchronous) or per push (asynchronous); and the same for the
+  // rows each worker touched.
   const double share = parameters / servers;
-  const double server_ms = workers * (network.send_recv.milliseconds(2 * share) +
-                                      (network.copy.ms_per_byte + calibration.ps_ms_per_byte) * share) +
-                           setup.optimizer_ms_per_byte * share * (configuration.synchronous ? 1 : workers);
-  const double worker_ms = step.forward_ms + step.finish_ms;
+  const double rows_share = touched / servers;
+  const double server_ms =
+      workers * (network.send_recv.milliseconds(2 * share) + network.send_recv.milliseconds(2 * rows_share) +
+                 (network.copy.ms_per_byte + calibration.ps_ms_per_byte) * (share + rows_share)) +
+      setup.optimizer_ms_per_byte * (share * (configuration.synchronous ? 1 : workers) + rows_share * workers);
+  const double worker_ms = step.forward_ms + step.finish_ms + rows_ms;
   Prediction prediction;
   prediction.configuration = configuration;
   prediction.compute_ms = step.forward_ms + step.backward_ms;
   prediction.step_ms = std::max(worker_ms, server_ms) + calibration.per_step_ms;
   prediction.exposed_comm_ms = prediction.step_ms - prediction.compute_ms;
-  const auto worker_memory = static_cast<int64_t>(2 * parameters) +
+  // Measured (docs/planner.md): a worker holds its parameters, their gradients, the buffer the pulled
+  // values land in and the replies (and of the rows it touched, the rows, their gradients and the
+  // reply); a server its share, the optimizer's state, each worker's push and the round's copy of it,
+  // the workers' mean, and Adam's temporaries — and its part of the tables with their state (every row
+  // some batch touches, at most the whole table).
+  const auto worker_memory = static_cast<int64_t>(4 * parameters + 3 * touched) +
                              activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
-  const auto server_memory = static_cast<int64_t>(share * (1 + setup.optimizer_state_factor));
+  const double optimizer_temporaries = setup.optimizer_state_factor >= 2 ? 2 : 0;
+  const auto server_memory = static_cast<int64_t>(
+      share * (1 + setup.optimizer_state_factor + 2 * workers + (workers > 1) + optimizer_temporaries) +
+      sparse_table / servers * (1 + setup.optimizer_state_factor) + 2 * workers * rows_share);
   prediction.memory_per_rank = std::max(worker_memory, server_memory);
-  prediction.bytes_per_step = static_cast<int64_t>(std::max(2 * parameters, 2 * share * workers));
+  prediction.bytes_per_step = static_cast<int64_t>(std::max(2 * (parameters + touched),
+                                                            2 * (share + rows_share) * workers));
   prediction.samples_per_second = static_cast<double>(setup.batch) * 1000.0 / prediction.step_ms;
   return prediction;
 }

@@ -26,6 +26,10 @@ struct LayerProfile {
   double forward_overhead_ms = 0;
   double backward_input_overhead_ms = 0;
   double backward_weight_overhead_ms = 0;
+  // An embedding table in the layer (part of parameter_bytes) that a parameter server can hold as
+  // sparse rows, each worker pulling and pushing only the rows its samples touch.
+  int64_t sparse_parameter_bytes = 0;
+  int64_t sparse_bytes_per_sample = 0;  // rows one sample touches x a row's bytes
 };
 
 struct ModelProfile {

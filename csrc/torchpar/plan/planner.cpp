@@ -84,8 +84,10 @@ Plan Planner::plan(const PlanOptions& options) const {
   if (!plan.ranked.empty()) {
     auto best = plan.ranked.front().configuration;
     best.balance = plan.ranked.front().balance;
-    plan.recommended_cpp = cpp_code(best);
-    plan.recommended_python = python_code(best);
+    const bool sparse_tables = std::any_of(model_.layers.begin(), model_.layers.end(),
+                                           [](const LayerProfile& layer) { return layer.sparse_parameter_bytes > 0; });
+    plan.recommended_cpp = cpp_code(best, sparse_tables);
+    plan.recommended_python = python_code(best, sparse_tables);
   }
   return plan;
 }
@@ -128,7 +130,7 @@ std::string render_table(const Plan& plan) {
   return out.str();
 }
 
-std::string cpp_code(const Configuration& c) {
+std::string cpp_code(const Configuration& c, bool sparse_tables) {
   std::ostringstream out;
   switch (c.strategy) {
     case Strategy::DataParallel:
@@ -163,12 +165,17 @@ std::string cpp_code(const Configuration& c) {
           << "if (service.is_server()) { service.serve(); return 0; }\n"
           << "torchpar::ps::RemoteParameters parameters(service.client(), module->named_parameters(),\n"
           << "                                          torchpar::ps::OptimizerConfig::sgd(0.1));\n";
+      if (sparse_tables) {
+        out << "// the embedding as sparse rows on the servers (in the module, before RemoteParameters):\n"
+            << "torchpar::ps::Embedding embedding(service.client(), \"embedding\", rows, dim,\n"
+            << "                                  torchpar::ps::OptimizerConfig::adagrad(0.1));\n";
+      }
       break;
   }
   return out.str();
 }
 
-std::string python_code(const Configuration& c) {
+std::string python_code(const Configuration& c, bool sparse_tables) {
   std::ostringstream out;
   switch (c.strategy) {
     case Strategy::DataParallel:
@@ -196,6 +203,9 @@ std::string python_code(const Configuration& c) {
           << "service = torchpar.ps.ParameterService(servers=" << c.servers << ", consistency=\""
           << (c.synchronous ? "bsp" : "asp") << "\")\n"
           << "if service.is_server:\n    service.serve()\nelse:\n"
+          << (sparse_tables ? "    # the embedding as sparse rows on the servers (in the model, before RemoteParameters):\n"
+                              "    model.embedding = torchpar.ps.Embedding(service.client, \"embedding\", rows, dim)\n"
+                            : "")
           << "    params = torchpar.ps.RemoteParameters(model, service.client, torchpar.ps.SGD(lr=0.1))\n";
       break;
   }

@@ -59,7 +59,8 @@ std::string format_bytes(int64_t bytes);
 // then the excluded configurations with their reasons.
 std::string render_table(const Plan& plan);
 // The configuration as C++ and as Python code constructing it.
-std::string cpp_code(const Configuration& configuration);
-std::string python_code(const Configuration& configuration);
+// `sparse_tables`: the model has embedding tables a parameter server keeps as sparse rows.
+std::string cpp_code(const Configuration& configuration, bool sparse_tables = false);
+std::string python_code(const Configuration& configuration, bool sparse_tables = false);
 
 } // namespace torchpar::plan

@@ -29,9 +29,10 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
                                const std::vector<int64_t>& sizes_bytes = {4 << 10, 256 << 10, 4 << 20},
                                int repeats = 5);
 
-// The whole model's forward and backward on `sample`, timed over about 0.2 s of passes: first on rank 0
-// alone, then on every rank of `group` at once (the slowest rank's time); every rank calls it. Ranks
-// sharing cores, or cores sharing memory bandwidth, show as `together` over `alone`.
+// The whole model's forward and backward on `sample`, timed over ~0.1 s of passes on rank 0 alone, then on
+// every rank of `group` at once (the slowest rank's time), three rounds of each, alternated (the medians);
+// every rank calls it. Ranks sharing cores, or cores sharing memory bandwidth, show as `together` over
+// `alone`.
 struct ModelPassTimes {
   double alone_ms = 0;
   double together_ms = 0;

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from torchpar._C import plan as _engine
 from torchpar.plan.calibration import Calibration, default_calibration, learn as learn_calibration, load_calibration
+from torchpar.plan.embeddings import sparse_tables
 from torchpar.plan.model import OPTIMIZER_STATE, Model, load_model
 
 __all__ = ["Calibration", "Model", "calibration_sample", "default_calibration", "learn_calibration",
@@ -33,17 +34,24 @@ render_table = _engine.render_table
 
 def profile(model: Model, batch: int, repeats: int = 5):
     """Each layer's forward, backward (input and weight parts), parameter, activation and output bytes at
-    `batch` samples, and the optimizer's time per parameter byte: (ModelProfile, ms per byte)."""
+    `batch` samples, the first layer's embedding tables (which a parameter server can hold as sparse rows), and
+    the optimizer's time per parameter byte: (ModelProfile, ms per byte)."""
     from torchpar.pipeline import _as_tensors, _layer
 
     inputs, _ = model.sample(batch)
     factories = [lambda i=i: _layer(str(i), copy.deepcopy(model.build(i))) for i in range(len(model.layers))]
-    return _engine.profile_layers(factories, _as_tensors(inputs), repeats, OPTIMIZER_STATE[model.optimizer])
+    model_profile, optimizer_ms_per_byte = _engine.profile_layers(factories, _as_tensors(inputs), repeats,
+                                                                  OPTIMIZER_STATE[model.optimizer])
+    layers = model_profile.layers  # a copy: pybind hands the vector out by value
+    layers[0].sparse_parameter_bytes, layers[0].sparse_bytes_per_sample = sparse_tables(model.build(0), inputs)
+    model_profile.layers = layers
+    return model_profile, optimizer_ms_per_byte
 
 
 def measure_model_pass(model: Model, batch: int, group: Optional[dist.ProcessGroup] = None):
-    """The whole model's forward and backward at `batch` samples, about 0.2 s of passes on rank 0 alone, then
-    on every rank of `group` at once (every rank calls it): ``.alone_ms``, ``.together_ms``."""
+    """The whole model's forward and backward at `batch` samples: ~0.1 s of passes on rank 0 alone, then on every
+    rank of `group` at once, three rounds alternated (every rank calls it): ``.alone_ms``, ``.together_ms``,
+    the medians."""
     from torchpar.pipeline import _as_tensors, _layer
 
     inputs, _ = model.sample(batch)

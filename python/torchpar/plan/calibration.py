@@ -17,14 +17,15 @@ import torch
 from torchpar._C import plan as _engine
 
 Calibration = _engine.Calibration
-FIELDS = ("compute_scale", "communication_scale", "overlap", "per_action_ms", "per_transfer_ms", "per_step_ms", "ps_ms_per_byte")
+FIELDS = ("compute_scale", "communication_scale", "overlap", "per_action_ms", "per_transfer_ms", "per_step_ms",
+          "ps_ms_per_byte")
 FILE = pathlib.Path(os.environ.get("TORCHPAR_PLAN_CALIBRATION",
                                    pathlib.Path.home() / ".cache" / "torchpar" / "plan_calibration.json"))
 KEPT_SAMPLES = 60  # the most recent per key: the machine may change under it
 
 _LAYER_FIELDS = ("name", "forward_ms", "backward_input_ms", "backward_weight_ms", "forward_overhead_ms",
                  "backward_input_overhead_ms", "backward_weight_overhead_ms", "parameter_bytes", "activation_bytes",
-                 "output_bytes")
+                 "output_bytes", "sparse_parameter_bytes", "sparse_bytes_per_sample")
 _CONFIGURATION_FIELDS = ("world", "replicas", "schedule", "microbatches", "virtual_stages", "balance", "servers",
                          "synchronous")
 

@@ -90,11 +90,16 @@ def plot(report: dict, path: pathlib.Path) -> None:
     figure, axes = plt.subplots(1, 2 if verified else 1, figsize=(13 if verified else 7, 4.8), squeeze=False)
     memory = axes[0][0]
     labels = [f"{i + 1}. {p['configuration']}" for i, p in enumerate(ranked)][::-1]
-    memory.barh(labels, [p["memory_per_rank"] / 2**20 for p in ranked][::-1], color="tab:purple")
+    memory.barh(labels, [p["memory_per_rank"] / 2**20 for p in ranked][::-1], color="tab:purple", label="predicted")
+    position = {p["configuration"]: len(ranked) - 1 - i for i, p in enumerate(ranked)}
+    shown = [v for v in verified if v.get("measured_memory") and v["configuration"] in position]
+    if shown:
+        memory.scatter([v["measured_memory"] / 2**20 for v in shown], [position[v["configuration"]] for v in shown],
+                       color="black", marker="D", zorder=3, label="measured (--verify)")
     if report["memory_per_rank_cap"]:
         memory.axvline(report["memory_per_rank_cap"] / 2**20, color="red", lw=1, label="cap")
-        memory.legend(fontsize=8)
-    memory.set(xlabel="predicted memory per rank (MiB)", title="the top configurations")
+    memory.legend(fontsize=8)
+    memory.set(xlabel="memory per rank (MiB)", title="the top configurations")
     memory.tick_params(axis="y", labelsize=7)
     if verified:
         timing = axes[0][1]
@@ -113,7 +118,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 def run(rank: int, world: int, args: argparse.Namespace) -> None:
     import torchpar.plan as planner
-    from torchpar.plan.verify import measure_step_ms
+    from torchpar.plan.verify import measure
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
     control = dist.new_group(backend="gloo")
@@ -171,19 +176,25 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     if chosen[0]:
         from tqdm import tqdm
 
+        # One untimed step of the first configuration: what a process sets up once (threads, lazy libraries,
+        # the first groups' buffers) is then not counted in that configuration's memory.
+        measure(model, configuration_from(chosen[0][0]["fields"]), args.batch, args.backend, control, warmup=0,
+                steps=1)
         for entry in tqdm(chosen[0], desc="verify", unit="config", disable=rank != 0):
             configuration = configuration_from(entry["fields"])
-            measured.append(measure_step_ms(model, configuration, args.batch, args.backend, control,
-                                            steps=args.steps))
+            measured.append(measure(model, configuration, args.batch, args.backend, control, steps=args.steps))
     if rank == 0:
         if measured:
-            for entry, milliseconds in zip(chosen[0], measured):
+            for entry, measurement in zip(chosen[0], measured):
                 report["verified"].append(dict(configuration=entry["configuration"], predicted_ms=entry["step_ms"],
-                                               measured_ms=milliseconds))
+                                               measured_ms=measurement.step_ms,
+                                               predicted_memory=entry["memory_per_rank"],
+                                               measured_memory=measurement.memory_bytes))
             configurations = [configuration_from(e["fields"]) for e in chosen[0]]
             samples = [planner.calibration_sample(model, model_profile, network, configuration, batch=args.batch,
-                                                  optimizer_ms_per_byte=optimizer_ms_per_byte, measured_ms=ms)
-                       for configuration, ms in zip(configurations, measured)]
+                                                  optimizer_ms_per_byte=optimizer_ms_per_byte,
+                                                  measured_ms=measurement.step_ms)
+                       for configuration, measurement in zip(configurations, measured)]
             learned, sample_count = planner.learn_calibration(samples, world, args.backend)
             for row, configuration in zip(report["verified"], configurations):
                 row["calibrated_ms"] = planner.predict_step_ms(model, model_profile, network, configuration,
@@ -192,17 +203,20 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                                                                calibration=learned)
             report["learned_calibration"] = {f: getattr(learned, f) for f in CALIBRATION_FIELDS}
             report["calibration_samples"] = sample_count
-            print(f"verified (step ms): configuration | predicted | measured | error | calibrated | error\n"
+            print(f"verified (step ms): configuration | predicted | measured | error | calibrated | error | memory per "
+                  f"rank predicted | measured (resident set's growth)\n"
                   f"  (predicted: with the calibration above; calibrated: fitted to {sample_count} verified runs "
                   f"on this machine, these included: {describe_calibration(learned)})", flush=True)
             for row in report["verified"]:
                 error = abs(row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
                 calibrated = abs(row["calibrated_ms"] - row["measured_ms"]) / row["measured_ms"]
                 print(f"  {row['configuration']} | {row['predicted_ms']:.2f} | {row['measured_ms']:.2f} | "
-                      f"{100 * error:.0f}% | {row['calibrated_ms']:.2f} | {100 * calibrated:.0f}%", flush=True)
-            fastest = min(measured)
-            print(f"the top-ranked configuration measured {measured[0] / fastest:.2f}x the fastest verified one",
-                  flush=True)
+                      f"{100 * error:.0f}% | {row['calibrated_ms']:.2f} | {100 * calibrated:.0f}% | "
+                      f"{row['predicted_memory'] / 2**20:.1f} MiB | {row['measured_memory'] / 2**20:.1f} MiB",
+                      flush=True)
+            fastest = min(m.step_ms for m in measured)
+            print(f"the top-ranked configuration measured {measured[0].step_ms / fastest:.2f}x the fastest verified "
+                  "one", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "plan.json").write_text(json.dumps(report, indent=1))
         plot(report, args.out / "plan.png")

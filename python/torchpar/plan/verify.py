@@ -1,13 +1,21 @@
-"""Runs a planned configuration for real for a few steps on the ranks at hand and measures its step time.
+"""Runs a planned configuration for real for a few steps on the ranks at hand and measures its step time and
+memory.
 
-Every rank of the world calls :func:`measure_step_ms` with the same configuration; it returns the slowest
-rank's median step time (for the parameter server: the slowest worker's).
+Every rank of the world calls :func:`measure` with the same configuration; it returns the slowest rank's median
+step time (for the parameter server: the slowest worker's) and the fullest rank's memory: how far its resident
+set grew above where it stood before the configuration was built (Linux; freed memory is handed back to the
+system first, so what an earlier configuration left does not hide this one's).
 """
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
+import pathlib
+import re
 import statistics
 import time
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,6 +25,7 @@ import torchpar
 import torchpar.pipeline
 import torchpar.ps
 from torchpar._C import plan as _engine
+from torchpar.plan.embeddings import with_remote_embeddings
 from torchpar.plan.model import Model
 
 
@@ -31,10 +40,42 @@ def _timed_steps(step, warmup: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def _slowest(value: float, group) -> float:
+def _largest(value: float, group) -> float:
     tensor = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return float(tensor)
+
+
+_STATUS = pathlib.Path("/proc/self/status")
+
+
+def _resident_kib(field: str) -> Optional[int]:
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match[1]) if match else None
+
+
+def _start_memory_watch() -> Optional[int]:
+    """Hands freed heap memory back to the system, resets the resident set's high-water mark and returns the
+    resident set now (KiB), or None where Linux's /proc does not tell."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name:
+        try:
+            ctypes.CDLL(libc_name).malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+    try:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+    except OSError:
+        return None
+    return _resident_kib("VmRSS")
+
+
+class Measurement(NamedTuple):
+    step_ms: float          # the slowest rank's median step
+    memory_bytes: int       # the fullest rank's growth of its resident set (0 where it cannot be measured)
 
 
 def _ddp(model: Model, layers: list[nn.Module], batch: int, warmup: int, steps: int) -> float:
@@ -79,9 +120,11 @@ def _parameter_server(model: Model, configuration, batch: int, warmup: int, step
     if service.is_server:
         service.serve()
     else:
-        net = nn.Sequential(*[copy.deepcopy(model.build(i)) for i in range(len(model.layers))])
         optimizer = (torchpar.ps.Adam(lr=model.lr) if model.optimizer == "adam"
                      else torchpar.ps.SGD(lr=model.lr, momentum=0.9))
+        # The first layer's embeddings as sparse tables on the servers, as the cost model counts them.
+        first = with_remote_embeddings(copy.deepcopy(model.build(0)), service.client, optimizer, "embedding")
+        net = nn.Sequential(first, *[copy.deepcopy(model.build(i)) for i in range(1, len(model.layers))])
         parameters = torchpar.ps.RemoteParameters(net, service.client, optimizer)
         x, y = model.sample(batch // workers)
 
@@ -96,12 +139,13 @@ def _parameter_server(model: Model, configuration, batch: int, warmup: int, step
     return milliseconds
 
 
-def measure_step_ms(model: Model, configuration, batch: int, backend: str, control, warmup: int = 2,
-                    steps: int = 5) -> float:
-    """The slowest rank's median step time of `configuration` in milliseconds (collective over the world;
-    `control` is a Gloo group of every rank for the timing's reduction)."""
+def measure(model: Model, configuration, batch: int, backend: str, control, warmup: int = 2,
+            steps: int = 5) -> Measurement:
+    """`configuration` run for `warmup` + `steps` steps (collective over the world; `control` is a Gloo group of
+    every rank for the reductions)."""
     strategy = configuration.strategy
     dist.barrier(group=control)
+    baseline = _start_memory_watch()
     if strategy == _engine.Strategy.ddp:
         layers = [copy.deepcopy(model.build(i)) for i in range(len(model.layers))]
         mine = _ddp(model, layers, batch, warmup, steps)
@@ -109,4 +153,6 @@ def measure_step_ms(model: Model, configuration, batch: int, backend: str, contr
         mine = _pipeline(model, configuration, batch, warmup, steps, backend)
     else:
         mine = _parameter_server(model, configuration, batch, warmup, steps)
-    return _slowest(mine, control)
+    peak = _resident_kib("VmHWM")
+    grown = (peak - baseline) * 1024 if baseline is not None and peak is not None else 0
+    return Measurement(_largest(mine, control), int(_largest(grown, control)))

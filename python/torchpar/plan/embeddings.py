@@ -1,0 +1,50 @@
+"""Embedding tables a parameter server can hold as sparse rows: found in a model's first layer (fed the
+model's integer inputs) for the cost model, and swapped for ``torchpar.ps.Embedding`` when ``--verify`` runs
+the parameter server."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import torchpar.ps
+
+_BAG_REDUCTIONS = {"mean": torch.mean, "sum": torch.sum}
+
+
+def _sparse_able(module: nn.Module) -> bool:
+    return isinstance(module, nn.Embedding) or (isinstance(module, nn.EmbeddingBag) and
+                                                module.mode in _BAG_REDUCTIONS)
+
+
+def sparse_tables(first_layer: nn.Module, inputs) -> tuple[int, int]:
+    """(table bytes, bytes of rows one sample touches) of the embeddings in `first_layer`, whose ids are the
+    integer tensors among `inputs` (a batch); (0, 0) when there are none."""
+    ids = [t for t in (inputs if isinstance(inputs, (tuple, list)) else [inputs])
+           if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() > 0]
+    tables = [m for m in first_layer.modules() if _sparse_able(m)]
+    if not ids or not tables:
+        return 0, 0
+    ids_per_sample = sum(t.numel() for t in ids) // ids[0].size(0)
+    row_bytes = max(m.weight[0].nbytes for m in tables)
+    return sum(m.weight.nbytes for m in tables), ids_per_sample * row_bytes
+
+
+class _RemoteBag(nn.Module):
+    """nn.EmbeddingBag's mean or sum over each sample's ids (2-D ids), with rows on the servers."""
+
+    def __init__(self, table: torchpar.ps.Embedding, mode: str):
+        super().__init__()
+        self.table, self.reduce = table, _BAG_REDUCTIONS[mode]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.table(ids), dim=1)
+
+
+def with_remote_embeddings(layer: nn.Module, client, optimizer, prefix: str) -> nn.Module:
+    """`layer` with each of its embeddings replaced by a ``torchpar.ps.Embedding`` (table `prefix` + its name)."""
+    if _sparse_able(layer):
+        table = torchpar.ps.Embedding(client, prefix, layer.num_embeddings, layer.embedding_dim, optimizer)
+        return table if isinstance(layer, nn.Embedding) else _RemoteBag(table, layer.mode)
+    for name, child in list(layer.named_children()):
+        setattr(layer, name, with_remote_embeddings(child, client, optimizer, f"{prefix}.{name}"))
+    return layer
