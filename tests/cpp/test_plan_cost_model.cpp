@@ -36,6 +36,19 @@ plan::TrainingSetup batch_of(int64_t batch, double optimizer_state_factor = 1) {
   return setup;
 }
 
+// Each layer's tensor-parallel role, in words.
+std::string roles(const plan::ModelProfile& model) {
+  std::string words;
+  for (const auto role : plan::tensor_parallel_roles(model)) {
+    if (!words.empty()) words += " ";
+    words += role == plan::TensorRole::Column ? "column"
+             : role == plan::TensorRole::Row  ? "row"
+             : role == plan::TensorRole::ColumnGathered ? "gathered"
+                                                        : "whole";
+  }
+  return words;
+}
+
 } // namespace
 
 TEST_CASE("plan: buckets overlapping backward go out one at a time, each once it is ready") {
@@ -217,6 +230,43 @@ TEST_CASE("plan: the calibration fit recovers what made the measurements, from s
   }
   CHECK(fitted.compute_scale == Approx(1.5).margin(0.06));
   CHECK_THROWS_WITH(plan::fit_calibration({}), Contains("no measured configuration"));
+}
+
+TEST_CASE("plan: tensor parallelism splits Linear layers in column-row pairs and sums over the group") {
+  // 3 layers; the first two Linear 64 -> 64 (a column-row pair), the third not splittable. At 8 samples:
+  // forward 2 ms, backward 1 + 1, output 400 bytes, input 400 (activation 800).
+  auto model = equal_layers(3, kMiB);
+  for (int i : {0, 1}) model.layers[i].in_features = model.layers[i].out_features = 64;
+  CHECK(roles(model) == "column row whole");
+  plan::Configuration tensor;
+  tensor.strategy = plan::Strategy::TensorParallel;
+  tensor.world = 2;
+  // Every rank computes the whole batch: the pair's 8 ms halved, the third layer's 4 ms whole; one
+  // all-reduce of the row layer's output forward (1 ms + 400 B); the column layer is the first, so no
+  // input gradient to sum. Memory: half of the pair's 2 MiB and the third's 1 MiB, x (parameters,
+  // gradients, momentum), and every layer's activations of 8 samples.
+  const auto net = network(1, 0);
+  const auto p = plan::predict(model, net, batch_of(8), tensor);
+  CHECK(p.step_ms == Approx(4 + 4 + 1));
+  CHECK(p.memory_per_rank == 2 * kMiB * 3 + 3 * 800);
+  CHECK(p.bytes_per_step == 400);  // one all-reduce of 400 bytes over 2 ranks moves 2 (2 - 1) / 2 of them
+  // A pair in the middle: the column layer sums its input's gradient too; alone, a layer is gathered.
+  model.layers[2].in_features = model.layers[2].out_features = 64;
+  model.layers[0].in_features = model.layers[0].out_features = 0;
+  CHECK(roles(model) == "whole column row");
+  CHECK(plan::predict(model, net, batch_of(8), tensor).step_ms == Approx(4 + 4 + 2));
+  model.layers[2].in_features = model.layers[2].out_features = 0;
+  CHECK(roles(model) == "whole gathered whole");
+  // 2 replicas of 2-rank groups: the replica's 4 samples, and the rank's parameters averaged.
+  tensor.world = 4;
+  tensor.replicas = 2;
+  CHECK(plan::predict(model, network(0, 0), batch_of(8), tensor).memory_per_rank ==
+        static_cast<int64_t>(2.5 * kMiB * 4) + 3 * 400);
+  // Features that do not divide, and a model with nothing to split, are refused by name.
+  model.layers[1].out_features = 63;
+  CHECK_THROWS_WITH(plan::predict(model, net, batch_of(8), tensor), Contains("63 output features do not split"));
+  CHECK_THROWS_WITH(plan::predict(equal_layers(2, kMiB), net, batch_of(8), tensor),
+                    Contains("no layer of the model splits"));
 }
 
 TEST_CASE("plan: α and β come back from measurements on a line") {

@@ -30,7 +30,9 @@ void bind_plan(py::module_& module) {
       .def_readwrite("activation_bytes", &plan::LayerProfile::activation_bytes)
       .def_readwrite("output_bytes", &plan::LayerProfile::output_bytes)
       .def_readwrite("sparse_parameter_bytes", &plan::LayerProfile::sparse_parameter_bytes)
-      .def_readwrite("sparse_bytes_per_sample", &plan::LayerProfile::sparse_bytes_per_sample);
+      .def_readwrite("sparse_bytes_per_sample", &plan::LayerProfile::sparse_bytes_per_sample)
+      .def_readwrite("in_features", &plan::LayerProfile::in_features)
+      .def_readwrite("out_features", &plan::LayerProfile::out_features);
   py::class_<plan::ModelProfile>(m, "ModelProfile")
       .def(py::init<>())
       .def_readwrite("batch", &plan::ModelProfile::batch)
@@ -69,7 +71,8 @@ void bind_plan(py::module_& module) {
   py::enum_<plan::Strategy>(m, "Strategy")
       .value("ddp", plan::Strategy::DataParallel)
       .value("pipeline", plan::Strategy::Pipeline)
-      .value("ps", plan::Strategy::ParameterServer);
+      .value("ps", plan::Strategy::ParameterServer)
+      .value("tensor", plan::Strategy::TensorParallel);
   py::class_<plan::Configuration>(m, "Configuration")
       .def(py::init<>())
       .def_readwrite("strategy", &plan::Configuration::strategy)
@@ -124,6 +127,21 @@ void bind_plan(py::module_& module) {
   m.def("fit_calibration", &plan::fit_calibration, py::arg("samples"), py::arg("start") = plan::Calibration(),
         Release());
   m.def("render_table", &plan::render_table, py::arg("plan"));
+  m.def(
+      "tensor_parallel_roles",
+      [](const plan::ModelProfile& model) {
+        std::vector<std::string> names;
+        for (const auto role : plan::tensor_parallel_roles(model)) {
+          switch (role) {
+            case plan::TensorRole::Whole: names.emplace_back("whole"); break;
+            case plan::TensorRole::Column: names.emplace_back("column"); break;
+            case plan::TensorRole::ColumnGathered: names.emplace_back("column_gathered"); break;
+            case plan::TensorRole::Row: names.emplace_back("row"); break;
+          }
+        }
+        return names;
+      },
+      py::arg("model"), "Each layer's part under tensor parallelism: whole, column, column_gathered or row.");
   m.def(
       "profile_layers",
       [](const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample, int repeats,

@@ -160,6 +160,10 @@ std::string Configuration::describe() const {
       out << "ps " << (synchronous ? "bsp" : "asp") << ", " << world - servers << " workers + " << servers
           << (servers == 1 ? " server" : " servers");
       break;
+    case Strategy::TensorParallel:
+      out << "tensor parallel over " << world / replicas << " ranks";
+      if (replicas > 1) out << " x " << replicas << " replicas";
+      break;
   }
   return out.str();
 }
@@ -382,6 +386,83 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
   return prediction;
 }
 
+std::vector<TensorRole> tensor_parallel_roles(const ModelProfile& model) {
+  std::vector<TensorRole> roles(model.layers.size(), TensorRole::Whole);
+  for (size_t i = 0; i < roles.size(); ++i) {
+    if (model.layers[i].out_features <= 0) continue;
+    if (i + 1 < roles.size() && model.layers[i + 1].in_features > 0) {
+      roles[i] = TensorRole::Column;
+      roles[++i] = TensorRole::Row;
+    } else {
+      roles[i] = TensorRole::ColumnGathered;
+    }
+  }
+  return roles;
+}
+
+Prediction predict_tensor_parallel(const ModelProfile& model, const NetworkProfile& idle_network,
+                                   const TrainingSetup& setup, const Configuration& configuration,
+                                   const Calibration& given) {
+  const int replicas = configuration.replicas;
+  TORCH_CHECK(replicas > 0 && configuration.world % replicas == 0, replicas, " replicas do not divide ",
+              configuration.world, " ranks");
+  const int tensor = configuration.world / replicas;
+  TORCH_CHECK(tensor >= 2, "a tensor group needs at least 2 ranks");
+  check_divides(setup.batch, replicas, "replicas");
+  const auto roles = tensor_parallel_roles(model);
+  TORCH_CHECK(std::any_of(roles.begin(), roles.end(), [](TensorRole role) { return role != TensorRole::Whole; }),
+              "no layer of the model splits over a tensor group (nn.Linear layers do)");
+  const auto calibration = with_contention(model, given, configuration.world, configuration.world);
+  const auto network = under_load(idle_network, given);
+  const int64_t samples = setup.batch / replicas;
+  const double ring = 2.0 * (tensor - 1) / tensor;  // bytes an all-reduce moves per byte, for bytes_per_step
+  double forward = 0, backward = 0, communication = 0, moved = 0;
+  int64_t parameters = 0;
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const auto& layer = model.layers[i];
+    const TensorRole role = roles[i];
+    const double share = role == TensorRole::Whole ? 1.0 : 1.0 / tensor;
+    if (role == TensorRole::Column || role == TensorRole::ColumnGathered) {
+      TORCH_CHECK(layer.out_features % tensor == 0, "layer ", i, " (", layer.name, "): ", layer.out_features,
+                  " output features do not split over ", tensor, " ranks");
+    }
+    if (role == TensorRole::Row) {
+      TORCH_CHECK(layer.in_features % tensor == 0, "layer ", i, " (", layer.name, "): ", layer.in_features,
+                  " input features do not split over ", tensor, " ranks");
+    }
+    forward += share * forward_at(layer, samples, model, calibration);
+    backward += share * (backward_input_at(layer, samples, model, calibration) +
+                         backward_weight_at(layer, samples, model, calibration));
+    parameters += static_cast<int64_t>(share * static_cast<double>(layer.parameter_bytes));
+    const auto output = static_cast<double>(at_samples(layer.output_bytes, samples, model));
+    const auto input = static_cast<double>(at_samples(layer.activation_bytes - layer.output_bytes, samples, model));
+    // A row-parallel layer sums its output over the group; a gathered column one gathers it; a column
+    // one sums its input's gradient in backward (but the model's input needs none).
+    if (role == TensorRole::Row || role == TensorRole::ColumnGathered) {
+      communication += network.all_reduce.milliseconds(output);
+      moved += ring * output;
+    }
+    if ((role == TensorRole::Column || role == TensorRole::ColumnGathered) && i > 0) {
+      communication += network.all_reduce.milliseconds(input);
+      moved += ring * input;
+    }
+  }
+  const double averaging = replicas > 1 ? network.all_reduce.milliseconds(static_cast<double>(parameters)) : 0.0;
+  Prediction prediction;
+  prediction.configuration = configuration;
+  prediction.compute_ms = forward + backward;
+  prediction.step_ms = forward + backward + communication + averaging +
+                       setup.optimizer_ms_per_byte * static_cast<double>(parameters) + calibration.per_step_ms;
+  prediction.exposed_comm_ms = communication + averaging;
+  prediction.memory_per_rank =
+      static_cast<int64_t>(static_cast<double>(parameters) * (2 + (replicas > 1) + setup.optimizer_state_factor)) +
+      activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
+  prediction.bytes_per_step =
+      static_cast<int64_t>(moved + (replicas > 1 ? 2.0 * (replicas - 1) / replicas * parameters : 0.0));
+  prediction.samples_per_second = static_cast<double>(setup.batch) * 1000.0 / prediction.step_ms;
+  return prediction;
+}
+
 Prediction predict(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
                    const Configuration& configuration, const Calibration& calibration) {
   TORCH_CHECK(model.batch > 0 && !model.layers.empty(), "plan: the model profile has no layers");
@@ -389,6 +470,7 @@ Prediction predict(const ModelProfile& model, const NetworkProfile& network, con
     case Strategy::DataParallel: return predict_data_parallel(model, network, setup, configuration, calibration);
     case Strategy::Pipeline: return predict_pipeline(model, network, setup, configuration, calibration);
     case Strategy::ParameterServer: return predict_parameter_server(model, network, setup, configuration, calibration);
+    case Strategy::TensorParallel: return predict_tensor_parallel(model, network, setup, configuration, calibration);
   }
   TORCH_CHECK(false, "plan: unknown strategy");
 }

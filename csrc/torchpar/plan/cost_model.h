@@ -30,6 +30,10 @@ struct LayerProfile {
   // sparse rows, each worker pulling and pushing only the rows its samples touch.
   int64_t sparse_parameter_bytes = 0;
   int64_t sparse_bytes_per_sample = 0;  // rows one sample touches x a row's bytes
+  // A Linear layer (with elementwise activations after it) whose weight a tensor group can split:
+  // its features, 0 for any other layer.
+  int64_t in_features = 0;
+  int64_t out_features = 0;
 };
 
 struct ModelProfile {
@@ -94,7 +98,13 @@ struct TrainingSetup {
   double optimizer_ms_per_byte = 0;   // the optimizer step's time per parameter byte (measured)
 };
 
-enum class Strategy { DataParallel, Pipeline, ParameterServer };
+enum class Strategy { DataParallel, Pipeline, ParameterServer, TensorParallel };
+
+// How tensor parallelism splits each layer, Megatron-style: two splittable layers in a row become a
+// column-parallel one (output features split, kept split) and a row-parallel one (input features
+// split, outputs summed over the group); one alone becomes column-parallel with its output gathered;
+// any other layer runs whole on every rank of the group.
+enum class TensorRole { Whole, Column, ColumnGathered, Row };
 
 struct Configuration {
   Strategy strategy = Strategy::DataParallel;
@@ -108,6 +118,7 @@ struct Configuration {
   int microbatches = 1;
   int virtual_stages = 1;
   std::vector<int64_t> balance;  // layers per stage; empty: the balanced cut by time
+  // TensorParallel: tensor groups of world / replicas ranks, `replicas` data-parallel copies of them.
   // ParameterServer: servers (the other world - servers ranks are workers), synchronous or not.
   int servers = 1;
   bool synchronous = true;
@@ -135,8 +146,13 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& net
 Prediction predict_parameter_server(const ModelProfile& model, const NetworkProfile& network,
                                     const TrainingSetup& setup, const Configuration& configuration,
                                     const Calibration& calibration = {});
+Prediction predict_tensor_parallel(const ModelProfile& model, const NetworkProfile& network,
+                                   const TrainingSetup& setup, const Configuration& configuration,
+                                   const Calibration& calibration = {});
 Prediction predict(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
                    const Configuration& configuration, const Calibration& calibration = {});
+
+std::vector<TensorRole> tensor_parallel_roles(const ModelProfile& model);
 
 // One verified configuration: what its prediction was made from, and its measured step time.
 struct CalibrationSample {

@@ -60,6 +60,16 @@ std::vector<Configuration> Planner::candidates(const PlanOptions& options) const
       }
     }
   }
+  if (options.tensor_parallel()) {
+    for (int replicas = 1; replicas <= world / 2; ++replicas) {
+      if (world % replicas) continue;
+      Configuration tensor;
+      tensor.strategy = Strategy::TensorParallel;
+      tensor.world = world;
+      tensor.replicas = replicas;
+      configurations.push_back(tensor);
+    }
+  }
   return configurations;
 }
 
@@ -171,6 +181,17 @@ std::string cpp_code(const Configuration& c, bool sparse_tables) {
             << "                                  torchpar::ps::OptimizerConfig::adagrad(0.1));\n";
       }
       break;
+    case Strategy::TensorParallel:
+      out << "auto group = torchpar::init_process_group();\n"
+          << "torchpar::ParallelGrid grid(group, /*data=*/" << c.replicas << ", /*pipeline=*/1, /*tensor=*/"
+          << c.world / c.replicas << ");\n"
+          << "// Linear layers in pairs: the first split by output features, the second by input features\n"
+          << "torchpar::tensor_parallel::ColumnParallelLinear up(\n"
+          << "    grid.tensor_group(), torchpar::tensor_parallel::ColumnParallelLinearOptions(width, hidden));\n"
+          << "torchpar::tensor_parallel::RowParallelLinear down(\n"
+          << "    grid.tensor_group(), torchpar::tensor_parallel::RowParallelLinearOptions(hidden, width));\n";
+      if (c.replicas > 1) out << "// gradients averaged over grid.data_group() after backward\n";
+      break;
   }
   return out.str();
 }
@@ -207,6 +228,14 @@ std::string python_code(const Configuration& c, bool sparse_tables) {
                               "    model.embedding = torchpar.ps.Embedding(service.client, \"embedding\", rows, dim)\n"
                             : "")
           << "    params = torchpar.ps.RemoteParameters(model, service.client, torchpar.ps.SGD(lr=0.1))\n";
+      break;
+    case Strategy::TensorParallel:
+      out << "torchpar.init_process_group()\n"
+          << "grid = torchpar.ParallelGrid(data=" << c.replicas << ", tensor=" << c.world / c.replicas << ")\n"
+          << "# Linear layers in pairs: the first split by output features, the second by input features\n"
+          << "up = torchpar.tensor_parallel.ColumnParallelLinear(width, hidden, group=grid.tensor_group)\n"
+          << "down = torchpar.tensor_parallel.RowParallelLinear(hidden, width, group=grid.tensor_group)\n";
+      if (c.replicas > 1) out << "# gradients averaged over grid.data_group after backward\n";
       break;
   }
   return out.str();

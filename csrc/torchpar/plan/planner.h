@@ -25,6 +25,7 @@ struct PlanOptions {
   TORCH_ARG(bool, data_parallel) = true;
   TORCH_ARG(bool, pipeline) = true;
   TORCH_ARG(bool, parameter_server) = true;
+  TORCH_ARG(bool, tensor_parallel) = true;
 };
 
 struct Excluded {

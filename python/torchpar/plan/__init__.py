@@ -24,6 +24,7 @@ from torchpar._C import plan as _engine
 from torchpar.plan.calibration import Calibration, default_calibration, learn as learn_calibration, load_calibration
 from torchpar.plan.embeddings import sparse_tables
 from torchpar.plan.model import OPTIMIZER_STATE, Model, load_model
+from torchpar.plan.tensor_split import splittable_linear
 
 __all__ = ["Calibration", "Model", "calibration_sample", "default_calibration", "learn_calibration",
            "load_calibration", "load_model", "measure_model_pass", "measure_network", "plan", "predict_step_ms",
@@ -34,8 +35,9 @@ render_table = _engine.render_table
 
 def profile(model: Model, batch: int, repeats: int = 5):
     """Each layer's forward, backward (input and weight parts), parameter, activation and output bytes at
-    `batch` samples, the first layer's embedding tables (which a parameter server can hold as sparse rows), and
-    the optimizer's time per parameter byte: (ModelProfile, ms per byte)."""
+    `batch` samples, the first layer's embedding tables (which a parameter server can hold as sparse rows), the
+    Linear layers a tensor group can split, and the optimizer's time per parameter byte: (ModelProfile, ms per
+    byte)."""
     from torchpar.pipeline import _as_tensors, _layer
 
     inputs, _ = model.sample(batch)
@@ -44,6 +46,10 @@ def profile(model: Model, batch: int, repeats: int = 5):
                                                                   OPTIMIZER_STATE[model.optimizer])
     layers = model_profile.layers  # a copy: pybind hands the vector out by value
     layers[0].sparse_parameter_bytes, layers[0].sparse_bytes_per_sample = sparse_tables(model.build(0), inputs)
+    for index, layer in enumerate(layers):
+        linear = splittable_linear(model.build(index))
+        if linear is not None:
+            layer.in_features, layer.out_features = linear.in_features, linear.out_features
     model_profile.layers = layers
     return model_profile, optimizer_ms_per_byte
 

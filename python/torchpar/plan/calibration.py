@@ -25,7 +25,7 @@ KEPT_SAMPLES = 60  # the most recent per key: the machine may change under it
 
 _LAYER_FIELDS = ("name", "forward_ms", "backward_input_ms", "backward_weight_ms", "forward_overhead_ms",
                  "backward_input_overhead_ms", "backward_weight_overhead_ms", "parameter_bytes", "activation_bytes",
-                 "output_bytes", "sparse_parameter_bytes", "sparse_bytes_per_sample")
+                 "output_bytes", "sparse_parameter_bytes", "sparse_bytes_per_sample", "in_features", "out_features")
 _CONFIGURATION_FIELDS = ("world", "replicas", "schedule", "microbatches", "virtual_stages", "balance", "servers",
                          "synchronous")
 

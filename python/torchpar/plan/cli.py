@@ -163,11 +163,13 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                       excluded=[dict(configuration=e.configuration.describe(), reason=e.reason)
                                 for e in result.excluded],
                       verified=[])
-    chosen = [None]
+    chosen = [None, None]  # the configurations to verify, and each layer's tensor-parallel role
     if rank == 0:
-        chosen = [report["ranked"][:args.verify]]
+        from torchpar._C import plan as engine
+
+        chosen = [report["ranked"][:args.verify], engine.tensor_parallel_roles(model_profile)]
         if args.verify_each_strategy:
-            for strategy in ("ddp", "pipeline", "ps"):
+            for strategy in ("ddp", "pipeline", "ps", "tensor"):
                 best = next((p for p in report["ranked"] if p["fields"]["strategy"] == strategy), None)
                 if best is not None and best not in chosen[0]:
                     chosen[0].append(best)
@@ -179,10 +181,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         # One untimed step of the first configuration: what a process sets up once (threads, lazy libraries,
         # the first groups' buffers) is then not counted in that configuration's memory.
         measure(model, configuration_from(chosen[0][0]["fields"]), args.batch, args.backend, control, warmup=0,
-                steps=1)
+                steps=1, tensor_roles=chosen[1])
         for entry in tqdm(chosen[0], desc="verify", unit="config", disable=rank != 0):
             configuration = configuration_from(entry["fields"])
-            measured.append(measure(model, configuration, args.batch, args.backend, control, steps=args.steps))
+            measured.append(measure(model, configuration, args.batch, args.backend, control, steps=args.steps,
+                                    tensor_roles=chosen[1]))
     if rank == 0:
         if measured:
             for entry, measurement in zip(chosen[0], measured):

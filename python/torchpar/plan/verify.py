@@ -27,6 +27,7 @@ import torchpar.ps
 from torchpar._C import plan as _engine
 from torchpar.plan.embeddings import with_remote_embeddings
 from torchpar.plan.model import Model
+from torchpar.plan.tensor_split import split_model
 
 
 def _timed_steps(step, warmup: int, steps: int) -> float:
@@ -139,10 +140,31 @@ def _parameter_server(model: Model, configuration, batch: int, warmup: int, step
     return milliseconds
 
 
-def measure(model: Model, configuration, batch: int, backend: str, control, warmup: int = 2,
-            steps: int = 5) -> Measurement:
+def _tensor_parallel(model: Model, roles: list[str], configuration, batch: int, warmup: int, steps: int,
+                     backend: str) -> float:
+    replicas = configuration.replicas
+    grid = torchpar.ParallelGrid(data=replicas, tensor=dist.get_world_size() // replicas, backend=backend)
+    net = split_model([model.build(i) for i in range(len(model.layers))], roles, grid.tensor_group)
+    optimizer = model.make_optimizer(net.parameters())
+    x, y = model.sample(batch // replicas)
+
+    def step():
+        optimizer.zero_grad()
+        model.loss(net(x), y).backward()
+        if replicas > 1:  # the replicas' gradients averaged, as DDP would
+            for parameter in net.parameters():
+                dist.all_reduce(parameter.grad, group=grid.data_group)
+                parameter.grad /= replicas
+        optimizer.step()
+
+    return _timed_steps(step, warmup, steps)
+
+
+def measure(model: Model, configuration, batch: int, backend: str, control, warmup: int = 2, steps: int = 5,
+            tensor_roles: Optional[list[str]] = None) -> Measurement:
     """`configuration` run for `warmup` + `steps` steps (collective over the world; `control` is a Gloo group of
-    every rank for the reductions)."""
+    every rank for the reductions; `tensor_roles`: each layer's under tensor parallelism, as
+    ``torchpar._C.plan.tensor_parallel_roles`` gives them)."""
     strategy = configuration.strategy
     dist.barrier(group=control)
     baseline = _start_memory_watch()
@@ -151,6 +173,8 @@ def measure(model: Model, configuration, batch: int, backend: str, control, warm
         mine = _ddp(model, layers, batch, warmup, steps)
     elif strategy == _engine.Strategy.pipeline:
         mine = _pipeline(model, configuration, batch, warmup, steps, backend)
+    elif strategy == _engine.Strategy.tensor:
+        mine = _tensor_parallel(model, tensor_roles, configuration, batch, warmup, steps, backend)
     else:
         mine = _parameter_server(model, configuration, batch, warmup, steps)
     peak = _resident_kib("VmHWM")

@@ -1,0 +1,40 @@
+"""Layers a tensor group can split (an ``nn.Linear``, alone or followed by elementwise activations in an
+``nn.Sequential``), and the same model rebuilt with them split, as the cost model's roles say
+(``torchpar._C.plan.tensor_parallel_roles``), for ``--verify``."""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from torch import nn
+
+import torchpar.tensor_parallel as tp
+
+_ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Dropout, nn.Identity)
+
+
+def splittable_linear(layer: nn.Module) -> Optional[nn.Linear]:
+    """The layer's Linear if the layer is one, or a Sequential of one followed by elementwise activations."""
+    if isinstance(layer, nn.Linear):
+        return layer
+    if isinstance(layer, nn.Sequential) and len(layer) and isinstance(layer[0], nn.Linear) and all(
+            isinstance(after, _ELEMENTWISE) for after in list(layer)[1:]):
+        return layer[0]
+    return None
+
+
+def _split(layer: nn.Module, role: str, group) -> nn.Module:
+    linear = splittable_linear(layer)
+    bias = linear.bias is not None
+    if role == "row":
+        split = tp.RowParallelLinear(linear.in_features, linear.out_features, bias, group=group)
+    else:
+        split = tp.ColumnParallelLinear(linear.in_features, linear.out_features, bias, group=group,
+                                        gather_output=role == "column_gathered")
+    return split if isinstance(layer, nn.Linear) else nn.Sequential(split, *copy.deepcopy(list(layer)[1:]))
+
+
+def split_model(layers: list[nn.Module], roles: list[str], group) -> nn.Sequential:
+    """`layers` with each one's role applied over the tensor group `group` (every rank of it calls this)."""
+    return nn.Sequential(*[copy.deepcopy(layer) if role == "whole" else _split(layer, role, group)
+                           for layer, role in zip(layers, roles)])
