@@ -366,7 +366,7 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
   Prediction prediction;
   prediction.configuration = configuration;
   prediction.compute_ms = step.forward_ms + step.backward_ms;
-  prediction.step_ms = std::max(worker_ms, server_ms) + calibration.per_step_ms;
+  prediction.step_ms = std::max(worker_ms, server_ms) + calibration.per_step_ms + calibration.ps_per_step_ms;
   prediction.exposed_comm_ms = prediction.step_ms - prediction.compute_ms;
   // Measured (docs/planner.md): a worker holds its parameters, their gradients, the buffer the pulled
   // values land in and the replies (and of the rows it touched, the rows, their gradients and the
@@ -492,7 +492,8 @@ Calibration fit_calibration(const std::vector<CalibrationSample>& samples, const
                         {&Calibration::per_action_ms, 0.0, 2.0, 0.001, 1.0},
                         {&Calibration::per_transfer_ms, 0.0, 2.0, 0.001, 1.0},
                         {&Calibration::per_step_ms, 0.0, 5.0, 0.002, 5.0},
-                        {&Calibration::ps_ms_per_byte, 0.0, 2.0 / (1 << 20), 0.002 / (1 << 20), 1.0 / (1 << 20)}};
+                        {&Calibration::ps_ms_per_byte, 0.0, 2.0 / (1 << 20), 0.002 / (1 << 20), 1.0 / (1 << 20)},
+                        {&Calibration::ps_per_step_ms, 0.0, 20.0, 0.005, 5.0}};
   // Mean squared relative error (smooth, so a compass search does not stall on a kink), plus a small
   // pull towards `start`, so that a few noisy samples do not swing knobs they barely constrain.
   const auto error = [&](const Calibration& calibration) {

@@ -27,7 +27,7 @@ LinkCost fit_link_cost(const std::vector<double>& bytes, const std::vector<doubl
 // and a memory copy on every rank at once, and fits each. A group of one rank costs nothing.
 NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                const std::vector<int64_t>& sizes_bytes = {4 << 10, 256 << 10, 4 << 20},
-                               int repeats = 5);
+                               int repeats = 11);
 
 // The whole model's forward and backward on `sample`, timed over ~0.1 s of passes on rank 0 alone, then on
 // every rank of `group` at once (the slowest rank's time), three rounds of each, alternated (the medians);

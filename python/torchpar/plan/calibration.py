@@ -18,7 +18,7 @@ from torchpar._C import plan as _engine
 
 Calibration = _engine.Calibration
 FIELDS = ("compute_scale", "communication_scale", "overlap", "per_action_ms", "per_transfer_ms", "per_step_ms",
-          "ps_ms_per_byte")
+          "ps_ms_per_byte", "ps_per_step_ms")
 FILE = pathlib.Path(os.environ.get("TORCHPAR_PLAN_CALIBRATION",
                                    pathlib.Path.home() / ".cache" / "torchpar" / "plan_calibration.json"))
 KEPT_SAMPLES = 60  # the most recent per key: the machine may change under it
@@ -43,7 +43,7 @@ def describe(calibration: Calibration) -> str:
             f"{100 * calibration.overlap:.0f}% of communication "
             f"overlapped, {calibration.per_action_ms:.2f} ms per pipeline action, {calibration.per_transfer_ms:.2f} "
             f"ms per transfer, {calibration.per_step_ms:.2f} ms per step, parameter server "
-            f"+{calibration.ps_ms_per_byte * 2**20:.2f} ms/MiB")
+            f"+{calibration.ps_ms_per_byte * 2**20:.2f} ms/MiB and +{calibration.ps_per_step_ms:.2f} ms per step")
 
 
 def _key(world: int, backend: str) -> str:
