@@ -53,7 +53,9 @@ void bind_plan(py::module_& module) {
       .def(py::init<>())
       .def_readwrite("all_reduce", &plan::NetworkProfile::all_reduce)
       .def_readwrite("send_recv", &plan::NetworkProfile::send_recv)
-      .def_readwrite("copy", &plan::NetworkProfile::copy);
+      .def_readwrite("copy", &plan::NetworkProfile::copy)
+      .def_readwrite("all_gather", &plan::NetworkProfile::all_gather)
+      .def_readwrite("reduce_scatter", &plan::NetworkProfile::reduce_scatter);
   py::class_<plan::Calibration>(m, "Calibration")
       .def(py::init<>())
       .def_readwrite("compute_scale", &plan::Calibration::compute_scale)

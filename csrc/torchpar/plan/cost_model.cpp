@@ -45,7 +45,7 @@ Calibration with_contention(const ModelProfile& model, const Calibration& calibr
 // The process group's operations while the ranks compute.
 NetworkProfile under_load(const NetworkProfile& network, const Calibration& calibration) {
   NetworkProfile loaded = network;
-  for (LinkCost* link : {&loaded.all_reduce, &loaded.send_recv}) {
+  for (LinkCost* link : {&loaded.all_reduce, &loaded.send_recv, &loaded.all_gather, &loaded.reduce_scatter}) {
     link->alpha_ms *= calibration.communication_scale;
     link->ms_per_byte *= calibration.communication_scale;
   }
@@ -438,9 +438,13 @@ Prediction predict_tensor_parallel(const ModelProfile& model, const NetworkProfi
     const auto input = static_cast<double>(at_samples(layer.activation_bytes - layer.output_bytes, samples, model));
     // A row-parallel layer sums its output over the group; a gathered column one gathers it; a column
     // one sums its input's gradient in backward (but the model's input needs none).
-    if (role == TensorRole::Row || role == TensorRole::ColumnGathered) {
+    if (role == TensorRole::Row) {
       communication += network.all_reduce.milliseconds(output);
       moved += ring * output;
+    }
+    if (role == TensorRole::ColumnGathered) {
+      communication += network.all_gather.milliseconds(output);
+      moved += ring / 2 * output;
     }
     if ((role == TensorRole::Column || role == TensorRole::ColumnGathered) && i > 0) {
       communication += network.all_reduce.milliseconds(input);

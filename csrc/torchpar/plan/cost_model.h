@@ -58,12 +58,15 @@ struct LinkCost {
   double milliseconds(double bytes) const { return bytes > 0 ? alpha_ms + ms_per_byte * bytes : 0; }
 };
 
-// The process group's operations, measured over all of its ranks (send_recv: between two of them), and
-// one rank's memory copy while every rank copies (gradients into buckets, payloads into messages).
+// The process group's operations, measured over all of its ranks (send_recv: between two of them;
+// all_gather and reduce_scatter: by the bytes of the whole tensor), and one rank's memory copy while
+// every rank copies (gradients into buckets, payloads into messages).
 struct NetworkProfile {
   LinkCost all_reduce;
   LinkCost send_recv;
   LinkCost copy;
+  LinkCost all_gather;
+  LinkCost reduce_scatter;
 };
 
 // What the model learns from measured runs (plan --verify), applied to every prediction:

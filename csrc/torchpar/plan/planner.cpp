@@ -224,7 +224,8 @@ std::string python_code(const Configuration& c, bool sparse_tables) {
           << "service = torchpar.ps.ParameterService(servers=" << c.servers << ", consistency=\""
           << (c.synchronous ? "bsp" : "asp") << "\")\n"
           << "if service.is_server:\n    service.serve()\nelse:\n"
-          << (sparse_tables ? "    # the embedding as sparse rows on the servers (in the model, before RemoteParameters):\n"
+          << (sparse_tables ? "    # the embedding as sparse rows on the servers (in the model, before "
+                              "RemoteParameters):\n"
                               "    model.embedding = torchpar.ps.Embedding(service.client, \"embedding\", rows, dim)\n"
                             : "")
           << "    params = torchpar.ps.RemoteParameters(model, service.client, torchpar.ps.SGD(lr=0.1))\n";

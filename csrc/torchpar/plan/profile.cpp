@@ -190,11 +190,31 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
     group->allreduce(value, {c10d::ReduceOp::MAX})->wait();
     return value[0].item<double>();
   };
-  std::vector<double> sizes, all_reduce_ms, transfer_ms, copy_ms;
+  const int world = group->getSize();
+  // A collective the backend does not offer (c10::Error on every rank alike) is costed as an all-reduce.
+  bool gathers = true, scatters = true;
+  const auto timed_if = [&](bool& supported, const std::function<void()>& op) {
+    if (!supported) return 0.0;
+    try {
+      return median_ms(repeats, op);
+    } catch (const c10::Error&) {
+      supported = false;
+      return 0.0;
+    }
+  };
+  std::vector<double> sizes, all_reduce_ms, transfer_ms, copy_ms, all_gather_ms, reduce_scatter_ms;
   for (const int64_t size : sizes_bytes) {
-    std::vector<at::Tensor> buffer{at::zeros({std::max<int64_t>(1, size / 4)}, at::kFloat)};
+    std::vector<at::Tensor> buffer{at::zeros({std::max<int64_t>(world, size / 4 / world * world)}, at::kFloat)};
     group->barrier()->wait();
     const double reduce = median_ms(repeats, [&] { group->allreduce(buffer)->wait(); });
+    // All-gather into, and reduce-scatter from, a tensor of the same bytes: a rank's piece is 1 / world.
+    std::vector<at::Tensor> piece{buffer[0].narrow(0, 0, buffer[0].numel() / world).clone()};
+    std::vector<std::vector<at::Tensor>> pieces{std::vector<at::Tensor>(world, piece[0])};
+    for (auto& tensor : pieces[0]) tensor = at::empty_like(piece[0]);
+    group->barrier()->wait();
+    const double gather = timed_if(gathers, [&] { group->allgather(pieces, piece)->wait(); });
+    group->barrier()->wait();
+    const double scatter = timed_if(scatters, [&] { group->reduce_scatter(piece, pieces)->wait(); });
     group->barrier()->wait();
     double pingpong = 0;
     if (rank < 2) {
@@ -215,10 +235,14 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
     all_reduce_ms.push_back(slowest(reduce));
     transfer_ms.push_back(slowest(pingpong));
     copy_ms.push_back(slowest(copy));
+    all_gather_ms.push_back(slowest(gather));
+    reduce_scatter_ms.push_back(slowest(scatter));
   }
   network.all_reduce = fit_link_cost(sizes, all_reduce_ms);
   network.send_recv = fit_link_cost(sizes, transfer_ms);
   network.copy = fit_link_cost(sizes, copy_ms);
+  network.all_gather = gathers ? fit_link_cost(sizes, all_gather_ms) : network.all_reduce;
+  network.reduce_scatter = scatters ? fit_link_cost(sizes, reduce_scatter_ms) : network.all_reduce;
   return network;
 }
 

@@ -89,7 +89,8 @@ def sample_to_json(sample) -> dict:
         batch=sample.model.batch,
         contention=sample.model.contention,
         layers=[{field: getattr(layer, field) for field in _LAYER_FIELDS} for layer in sample.model.layers],
-        network={name: _link(getattr(sample.network, name)) for name in ("all_reduce", "send_recv", "copy")},
+        network={name: _link(getattr(sample.network, name))
+                 for name in ("all_reduce", "send_recv", "copy", "all_gather", "reduce_scatter")},
         setup=dict(batch=sample.setup.batch, optimizer_state_factor=sample.setup.optimizer_state_factor,
                    optimizer_ms_per_byte=sample.setup.optimizer_ms_per_byte),
         configuration=dict(strategy=configuration.strategy.name,

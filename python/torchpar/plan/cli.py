@@ -145,10 +145,10 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         result = planner.plan(model, model_profile, network, batch=args.batch, world=world,
                               memory_per_rank=args.memory_per_rank, optimizer_ms_per_byte=optimizer_ms_per_byte,
                               calibration=calibration)
-        logger.info("all-reduce %.3f ms + %.3f ms/MiB, transfer %.3f ms + %.3f ms/MiB (%s, %d ranks), copy %.3f "
-                    "ms/MiB; %s", network.all_reduce.alpha_ms, network.all_reduce.ms_per_byte * 2**20,
-                    network.send_recv.alpha_ms, network.send_recv.ms_per_byte * 2**20, args.backend, world,
-                    network.copy.ms_per_byte * 2**20,
+        logger.info("all-reduce %s, all-gather %s, reduce-scatter %s, transfer %s (%s, %d ranks), copy %.3f "
+                    "ms/MiB; %s", *(f"{link.alpha_ms:.3f} ms + {link.ms_per_byte * 2**20:.3f} ms/MiB" for link in
+                                    (network.all_reduce, network.all_gather, network.reduce_scatter,
+                                     network.send_recv)), args.backend, world, network.copy.ms_per_byte * 2**20,
                     ("calibration from earlier --verify runs: " if learned else "default calibration: ") +
                     describe_calibration(calibration))
         print(planner.render_table(result), flush=True)
