@@ -178,8 +178,8 @@ int main(int argc, char** argv) {
       std::cerr << std::endl;
     }
     std::cout << "train_ddp: " << world << " ranks (" << c10::utils::get_env("TORCHPAR_BACKEND").value_or("gloo")
-              << "), " << arguments.epochs << " epochs in " << std::fixed << std::setprecision(1) << seconds
-              << " s, test accuracy " << 100 * accuracy << "%" << std::endl;
+              << "), " << arguments.epochs << " epochs in " << std::fixed << std::setprecision(2) << seconds
+              << " s, test accuracy " << std::setprecision(1) << 100 * accuracy << "%" << std::endl;
   }
   return accuracy >= 0.95 ? 0 : 1;
 }

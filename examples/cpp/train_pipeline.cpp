@@ -217,8 +217,8 @@ int main(int argc, char** argv) {
   if (pipe.has_last_stage()) {
     std::cout << "train_pipeline: " << world << " ranks, " << pipe.schedule().stages() << " stages, schedule "
               << arguments.schedule << ", " << arguments.microbatches << " micro-batches, " << arguments.epochs
-              << " epochs in " << std::fixed << std::setprecision(1) << seconds << " s, test accuracy " << 100 * value
-              << "%" << std::endl;
+              << " epochs in " << std::fixed << std::setprecision(2) << seconds << " s, test accuracy "
+              << std::setprecision(1) << 100 * value << "%" << std::endl;
   }
   return value >= 0.95 ? 0 : 1;
 }

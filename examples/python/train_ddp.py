@@ -163,7 +163,7 @@ def main() -> int:
 
     correct, total = test_accuracy(net, data["test_x"], data["test_y"], rank, world)
     accuracy = correct / total
-    logger.info("test accuracy %.1f%% (%d of %d held-out digits; %d epochs on %d ranks in %.1f s)",
+    logger.info("test accuracy %.1f%% (%d of %d held-out digits; %d epochs on %d ranks in %.2f s)",
                 100 * accuracy, correct, total, args.epochs, world, seconds)
     if accuracy < TARGET_ACCURACY and rank == 0:
         logger.error("below the %.0f%% this example should reach", 100 * TARGET_ACCURACY)

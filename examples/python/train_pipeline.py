@@ -211,7 +211,7 @@ def main() -> int:
     if reporter:
         hybrid = f" x {replicas} replicas" if replicas > 1 else ""
         print(f"train_pipeline: {world} ranks, {stages} stages{hybrid}, schedule {args.schedule}, "
-              f"{args.microbatches} micro-batches, {args.epochs} epochs in {seconds:.1f} s, "
+              f"{args.microbatches} micro-batches, {args.epochs} epochs in {seconds:.2f} s, "
               f"test accuracy {100 * accuracy:.1f}%", flush=True)
         if accuracy < TARGET_ACCURACY:
             logger.error("below the %.0f%% this example should reach", 100 * TARGET_ACCURACY)
