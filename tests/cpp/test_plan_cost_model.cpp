@@ -274,6 +274,12 @@ TEST_CASE("plan: α and β come back from measurements on a line") {
   CHECK(cost.alpha_ms == Approx(0.1));
   CHECK(cost.ms_per_byte == Approx(0.0002));
   CHECK(cost.milliseconds(0) == 0);
+  // Off the line, each point counts by its relative error: plain least squares would follow the 4 MiB
+  // time and miss the 4 KiB one by 23%.
+  const auto noisy = plan::fit_link_cost({4096, 65536, 262144, 4194304}, {0.3, 0.33, 0.5, 6.0});
+  CHECK(noisy.milliseconds(4096) == Approx(0.3).epsilon(0.15));
+  CHECK(noisy.milliseconds(65536) == Approx(0.33).epsilon(0.05));
+  CHECK(noisy.milliseconds(4194304) == Approx(6.0).epsilon(0.15));
 }
 
 TEST_CASE("plan: what does not divide or does not fit is excluded with its reason") {

@@ -164,18 +164,22 @@ ModelProfile profile_layers(const std::vector<pipeline::LayerFactory>& factories
 
 LinkCost fit_link_cost(const std::vector<double>& bytes, const std::vector<double>& milliseconds) {
   TORCH_CHECK(bytes.size() == milliseconds.size() && !bytes.empty(), "fit_link_cost: one time per size");
-  const auto n = static_cast<double>(bytes.size());
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  // Least squares on the relative error (each point weighted by 1 / time²): a small message's time
+  // counts as much as a large one's, where plain least squares would fit the largest and miss α.
+  double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
   for (size_t i = 0; i < bytes.size(); ++i) {
-    sx += bytes[i];
-    sy += milliseconds[i];
-    sxx += bytes[i] * bytes[i];
-    sxy += bytes[i] * milliseconds[i];
+    const double w = milliseconds[i] > 0 ? 1.0 / (milliseconds[i] * milliseconds[i]) : 0.0;
+    sw += w;
+    sx += w * bytes[i];
+    sy += w * milliseconds[i];
+    sxx += w * bytes[i] * bytes[i];
+    sxy += w * bytes[i] * milliseconds[i];
   }
   LinkCost cost;
-  const double spread = n * sxx - sx * sx;
-  cost.ms_per_byte = spread > 0 ? std::max(0.0, (n * sxy - sx * sy) / spread) : 0.0;
-  cost.alpha_ms = std::max(0.0, (sy - cost.ms_per_byte * sx) / n);
+  if (sw == 0) return cost;
+  const double spread = sw * sxx - sx * sx;
+  cost.ms_per_byte = spread > 0 ? std::max(0.0, (sw * sxy - sx * sy) / spread) : 0.0;
+  cost.alpha_ms = std::max(0.0, (sy - cost.ms_per_byte * sx) / sw);
   return cost;
 }
 

@@ -19,7 +19,7 @@ namespace torchpar::plan {
 ModelProfile profile_layers(const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample,
                             int repeats = 5, TrainingSetup* setup = nullptr);
 
-// α and β of `milliseconds` ≈ α + β · bytes, least squares over the points (α, β clamped at 0).
+// α and β of `milliseconds` ≈ α + β · bytes, least squares on the relative error (α, β clamped at 0).
 LinkCost fit_link_cost(const std::vector<double>& bytes, const std::vector<double>& milliseconds);
 
 // Collective over `group` (every rank calls it): times all-reduces, all-gathers into and reduce-scatters
@@ -27,7 +27,7 @@ LinkCost fit_link_cost(const std::vector<double>& bytes, const std::vector<doubl
 // ranks 0 and 1 (half its round trip), and a memory copy on every rank at once, and fits each. A
 // collective the backend lacks costs as an all-reduce. A group of one rank costs nothing.
 NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                               const std::vector<int64_t>& sizes_bytes = {4 << 10, 256 << 10, 4 << 20},
+                               const std::vector<int64_t>& sizes_bytes = {4 << 10, 64 << 10, 256 << 10, 4 << 20},
                                int repeats = 11);
 
 // The whole model's forward and backward on `sample`, timed over ~0.1 s of passes on rank 0 alone, then on
