@@ -145,16 +145,14 @@ def _tensor_parallel(model: Model, roles: list[str], configuration, batch: int, 
     replicas = configuration.replicas
     grid = torchpar.ParallelGrid(data=replicas, tensor=dist.get_world_size() // replicas, backend=backend)
     net = split_model([model.build(i) for i in range(len(model.layers))], roles, grid.tensor_group)
+    if replicas > 1:  # the replicas' gradients averaged over the data group
+        net = torchpar.DistributedDataParallel(net, process_group=grid.data_group)
     optimizer = model.make_optimizer(net.parameters())
     x, y = model.sample(batch // replicas)
 
     def step():
         optimizer.zero_grad()
         model.loss(net(x), y).backward()
-        if replicas > 1:  # the replicas' gradients averaged, as DDP would
-            for parameter in net.parameters():
-                dist.all_reduce(parameter.grad, group=grid.data_group)
-                parameter.grad /= replicas
         optimizer.step()
 
     return _timed_steps(step, warmup, steps)
