@@ -36,6 +36,15 @@ int64_t bytes_of(const pipeline::Tensors& tensors) {
   return bytes;
 }
 
+// The outputs backward can start from (those that require grad).
+pipeline::Tensors requiring_grad(const pipeline::Tensors& outputs) {
+  pipeline::Tensors roots;
+  for (const auto& output : outputs) {
+    if (output.requires_grad()) roots.push_back(output);
+  }
+  return roots;
+}
+
 // The median of `repeats` timed runs of `run`, after one untimed (allocations, lazy initialisation).
 double median_ms(int repeats, const std::function<void()>& run) {
   run();
@@ -67,23 +76,14 @@ ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, co
     for (const auto& parameter : layer.parameters) profile.parameter_bytes += static_cast<int64_t>(parameter.nbytes());
     pipeline::Tensors outputs;
     profile.forward_ms = median_ms(repeats, [&] { outputs = layer.forward(inputs); });
-    pipeline::Tensors roots, seeds;
-    for (const auto& output : outputs) {
-      if (output.requires_grad()) {
-        roots.push_back(output);
-        seeds.push_back(at::ones_like(output));
-      }
-    }
-    if (!roots.empty()) {
+    pipeline::Tensors seeds;
+    for (const auto& root : requiring_grad(outputs)) seeds.push_back(at::ones_like(root));
+    if (!seeds.empty()) {
       // Each timed backward gets a fresh graph: its forward runs outside the timing.
       const auto backward_ms = [&](const std::function<void(const pipeline::Tensors&)>& backward) {
         std::vector<double> samples;
         for (int run = 0; run <= repeats; ++run) {
-          const auto fresh = layer.forward(inputs);
-          pipeline::Tensors fresh_roots;
-          for (const auto& output : fresh) {
-            if (output.requires_grad()) fresh_roots.push_back(output);
-          }
+          const auto fresh_roots = requiring_grad(layer.forward(inputs));
           const auto start = Clock::now();
           backward(fresh_roots);
           if (run > 0) samples.push_back(elapsed_ms(start));
@@ -259,13 +259,9 @@ ModelPassTimes measure_model_pass(const std::vector<pipeline::LayerFactory>& fac
   const auto pass = [&] {
     pipeline::Tensors current = sample;
     for (auto& layer : layers) current = layer.forward(current);
-    pipeline::Tensors roots, seeds;
-    for (const auto& output : current) {
-      if (output.requires_grad()) {
-        roots.push_back(output);
-        seeds.push_back(at::ones_like(output));
-      }
-    }
+    const auto roots = requiring_grad(current);
+    pipeline::Tensors seeds;
+    for (const auto& root : roots) seeds.push_back(at::ones_like(root));
     if (!roots.empty()) torch::autograd::backward(roots, seeds);
     for (auto& layer : layers) {
       for (auto& parameter : layer.parameters) parameter.mutable_grad() = at::Tensor();

@@ -33,21 +33,28 @@ __all__ = ["Calibration", "Model", "calibration_sample", "default_calibration", 
 render_table = _engine.render_table
 
 
+def _engine_model(model: Model, batch: int):
+    """The model as the C++ engine takes it: a factory of a fresh pipeline layer per layer, and a batch of inputs."""
+    from torchpar.pipeline import _as_tensors, _layer
+
+    inputs, _ = model.sample(batch)
+    factories = [lambda i=i: _layer(str(i), copy.deepcopy(model.build(i))) for i in range(len(model.layers))]
+    return factories, _as_tensors(inputs)
+
+
 def profile(model: Model, batch: int, repeats: int = 5):
     """Each layer's forward, backward (input and weight parts), parameter, activation and output bytes at
     `batch` samples, the first layer's embedding tables (which a parameter server can hold as sparse rows), the
     Linear layers a tensor group can split, and the optimizer's time per parameter byte: (ModelProfile, ms per
     byte)."""
-    from torchpar.pipeline import _as_tensors, _layer
-
-    inputs, _ = model.sample(batch)
-    factories = [lambda i=i: _layer(str(i), copy.deepcopy(model.build(i))) for i in range(len(model.layers))]
-    model_profile, optimizer_ms_per_byte = _engine.profile_layers(factories, _as_tensors(inputs), repeats,
+    factories, inputs = _engine_model(model, batch)
+    model_profile, optimizer_ms_per_byte = _engine.profile_layers(factories, inputs, repeats,
                                                                   OPTIMIZER_STATE[model.optimizer])
+    built = [model.build(i) for i in range(len(model.layers))]
     layers = model_profile.layers  # a copy: pybind hands the vector out by value
-    layers[0].sparse_parameter_bytes, layers[0].sparse_bytes_per_sample = sparse_tables(model.build(0), inputs)
-    for index, layer in enumerate(layers):
-        linear = splittable_linear(model.build(index))
+    layers[0].sparse_parameter_bytes, layers[0].sparse_bytes_per_sample = sparse_tables(built[0], inputs)
+    for layer, module in zip(layers, built):
+        linear = splittable_linear(module)
         if linear is not None:
             layer.in_features, layer.out_features = linear.in_features, linear.out_features
     model_profile.layers = layers
@@ -58,11 +65,8 @@ def measure_model_pass(model: Model, batch: int, group: Optional[dist.ProcessGro
     """The whole model's forward and backward at `batch` samples: ~0.1 s of passes on rank 0 alone, then on every
     rank of `group` at once, three rounds alternated (every rank calls it): ``.alone_ms``, ``.together_ms``,
     the medians."""
-    from torchpar.pipeline import _as_tensors, _layer
-
-    inputs, _ = model.sample(batch)
-    factories = [lambda i=i: _layer(str(i), copy.deepcopy(model.build(i))) for i in range(len(model.layers))]
-    return _engine.measure_model_pass(factories, _as_tensors(inputs), group if group is not None else dist.group.WORLD)
+    factories, inputs = _engine_model(model, batch)
+    return _engine.measure_model_pass(factories, inputs, group if group is not None else dist.group.WORLD)
 
 
 def measure_network(group: Optional[dist.ProcessGroup] = None,

@@ -16,11 +16,10 @@ def _sparse_able(module: nn.Module) -> bool:
                                                 module.mode in _BAG_REDUCTIONS)
 
 
-def sparse_tables(first_layer: nn.Module, inputs) -> tuple[int, int]:
+def sparse_tables(first_layer: nn.Module, inputs: list[torch.Tensor]) -> tuple[int, int]:
     """(table bytes, bytes of rows one sample touches) of the embeddings in `first_layer`, whose ids are the
     integer tensors among `inputs` (a batch); (0, 0) when there are none."""
-    ids = [t for t in (inputs if isinstance(inputs, (tuple, list)) else [inputs])
-           if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() > 0]
+    ids = [t for t in inputs if not t.is_floating_point() and t.dim() > 0]
     tables = [m for m in first_layer.modules() if _sparse_able(m)]
     if not ids or not tables:
         return 0, 0

@@ -79,11 +79,10 @@ class Measurement(NamedTuple):
     memory_bytes: int       # the fullest rank's growth of its resident set (0 where it cannot be measured)
 
 
-def _ddp(model: Model, layers: list[nn.Module], batch: int, warmup: int, steps: int) -> float:
-    world = dist.get_world_size()
-    net = torchpar.DistributedDataParallel(nn.Sequential(*layers))
+def _timed_training(model: Model, net: nn.Module, samples: int, warmup: int, steps: int) -> float:
+    """The median step of `net` trained by the model's optimizer on `samples` samples per rank."""
     optimizer = model.make_optimizer(net.parameters())
-    x, y = model.sample(batch // world)
+    x, y = model.sample(samples)
 
     def step():
         optimizer.zero_grad()
@@ -91,6 +90,11 @@ def _ddp(model: Model, layers: list[nn.Module], batch: int, warmup: int, steps: 
         optimizer.step()
 
     return _timed_steps(step, warmup, steps)
+
+
+def _ddp(model: Model, layers: list[nn.Module], batch: int, warmup: int, steps: int) -> float:
+    net = torchpar.DistributedDataParallel(nn.Sequential(*layers))
+    return _timed_training(model, net, batch // dist.get_world_size(), warmup, steps)
 
 
 def _pipeline(model: Model, configuration, batch: int, warmup: int, steps: int, backend: str) -> float:
@@ -147,15 +151,7 @@ def _tensor_parallel(model: Model, roles: list[str], configuration, batch: int, 
     net = split_model([model.build(i) for i in range(len(model.layers))], roles, grid.tensor_group)
     if replicas > 1:  # the replicas' gradients averaged over the data group
         net = torchpar.DistributedDataParallel(net, process_group=grid.data_group)
-    optimizer = model.make_optimizer(net.parameters())
-    x, y = model.sample(batch // replicas)
-
-    def step():
-        optimizer.zero_grad()
-        model.loss(net(x), y).backward()
-        optimizer.step()
-
-    return _timed_steps(step, warmup, steps)
+    return _timed_training(model, net, batch // replicas, warmup, steps)
 
 
 def measure(model: Model, configuration, batch: int, backend: str, control, warmup: int = 2, steps: int = 5,
