@@ -36,10 +36,11 @@ plan::TrainingSetup batch_of(int64_t batch, double optimizer_state_factor = 1) {
   return setup;
 }
 
-// Each layer's tensor-parallel role, in words.
-std::string roles(const plan::ModelProfile& model) {
+// Each layer's tensor-parallel role, in words (within each stage of `balance`, if given).
+std::string roles(const plan::ModelProfile& model, const std::vector<int64_t>& balance = {}) {
   std::string words;
-  for (const auto role : plan::tensor_parallel_roles(model)) {
+  for (const auto role : balance.empty() ? plan::tensor_parallel_roles(model)
+                                         : plan::tensor_parallel_roles(model, balance)) {
     if (!words.empty()) words += " ";
     words += role == plan::TensorRole::Column ? "column"
              : role == plan::TensorRole::Row  ? "row"
@@ -267,6 +268,60 @@ TEST_CASE("plan: tensor parallelism splits Linear layers in column-row pairs and
   CHECK_THROWS_WITH(plan::predict(model, net, batch_of(8), tensor), Contains("63 output features do not split"));
   CHECK_THROWS_WITH(plan::predict(equal_layers(2, kMiB), net, batch_of(8), tensor),
                     Contains("no layer of the model splits"));
+}
+
+TEST_CASE("plan: a pipeline of tensor groups splits each stage's layers, and data replicas average them") {
+  // 4 Linear 64 -> 64 layers, 1 MiB each, in 2 stages of 2-rank tensor groups.
+  auto model = equal_layers(4, kMiB);
+  for (auto& layer : model.layers) layer.in_features = layer.out_features = 64;
+  CHECK(roles(model, {2, 2}) == "column row column row");
+  CHECK(roles(model, {1, 3}) == "gathered column row gathered");  // no pair spans a cut
+  plan::Configuration pipe;
+  pipe.strategy = plan::Strategy::Pipeline;
+  pipe.world = 4;
+  pipe.tensor = 2;
+  pipe.schedule = torchpar::pipeline::ScheduleKind::GPipe;
+  // Collectives measured over the 4 ranks at 3 ms cost 1 ms over 2 (a ring's hops: 1 of 3); free sends.
+  plan::NetworkProfile net;
+  net.all_reduce = net.all_gather = {3, 0};
+  // One micro-batch of 8. Stage 0 (column, row): forward 1 + 1 + the row's all-reduce 1 = 3, backward
+  // 2 x (0.5 + 0.5) = 2 (the first layer has no input gradient to sum). Stage 1 (column, row): forward 3,
+  // backward 2 + the column's input-gradient all-reduce 1 = 3. GPipe: 3 + 3 + 3 + 2.
+  const auto p = plan::predict(model, net, batch_of(8), pipe);
+  CHECK(p.configuration.describe() == "pipeline gpipe, 2 stages x 2 tensor, 1 micro-batches");
+  CHECK(p.balance == std::vector<int64_t>{2, 2});
+  CHECK(p.step_ms == Approx(11));
+  // Half of each of its stage's 2 layers x (parameters, gradients, momentum), and the stage's activations.
+  CHECK(p.memory_per_rank == 3 * kMiB + 2 * 800);
+  // Stage 1 sends most: the column's input gradient and the row's output summed (400 B each over 2 ranks
+  // of a ring), and the gradient back to stage 0 (400 B).
+  CHECK(p.bytes_per_step == 1200);
+
+  // 2 data replicas of it on 8 ranks (measured over 8 at 7 ms: 1 ms over each 2-rank group): each replica's
+  // 8 samples the same stages, then the stage's parameters averaged over the replicas' group.
+  pipe.world = 8;
+  pipe.replicas = 2;
+  net.all_reduce = net.all_gather = {7, 0};
+  const auto grid = plan::predict(model, net, batch_of(16), pipe);
+  CHECK(grid.configuration.describe() == "pipeline gpipe, 2 stages x 2 tensor x 2 replicas, 1 micro-batches");
+  CHECK(grid.step_ms == Approx(11 + 1));
+  CHECK(grid.memory_per_rank == 4 * kMiB + 2 * 800);
+
+  // Sizes that do not divide, and layers that do not split, are refused by name.
+  pipe.tensor = 3;
+  CHECK_THROWS_WITH(plan::predict(model, net, batch_of(16), pipe),
+                    Contains("2 replicas x 3 tensor ranks do not divide 8"));
+  pipe.tensor = 2;
+  model.layers[3].in_features = 63;
+  CHECK_THROWS_WITH(plan::predict(model, net, batch_of(16), pipe), Contains("63 input features do not split over 2"));
+  // The planner offers pipelines of tensor groups when a layer splits.
+  plan::Planner planner(model, net, batch_of(16));
+  std::string offered;
+  for (const auto& c : planner.candidates(plan::PlanOptions().world(8))) offered += c.describe() + "\n";
+  CHECK_THAT(offered, Contains("pipeline 1f1b, 2 stages x 2 tensor x 2 replicas, 8 micro-batches"));
+  CHECK_THAT(offered, Contains("pipeline 1f1b, 2 stages x 4 tensor, 8 micro-batches"));
+  plan::Planner unsplittable(equal_layers(4, kMiB), net, batch_of(16));
+  for (const auto& c : unsplittable.candidates(plan::PlanOptions().world(8))) CHECK(c.tensor == 1);
 }
 
 TEST_CASE("plan: α and β come back from measurements on a line") {

@@ -20,8 +20,9 @@ def plan(tmp_path, model, *options):
 
 def test_a_deep_mlp_over_the_memory_cap_is_pipelined(tmp_path):
     # 8 MiB of parameters: with gradients, DDP's bucket copies and momentum, 32 MiB on every rank; 4
-    # pipeline stages hold a quarter each, and so does a tensor group of 4.
-    report, output = plan(tmp_path, "deep_mlp", "--batch", 64, "--world", 4, "--memory-per-rank", "12MiB")
+    # pipeline stages hold a quarter each, and so do a tensor group of 4 and 2 stages of 2-rank tensor groups.
+    report, output = plan(tmp_path, "deep_mlp", "--batch", 64, "--world", 4, "--memory-per-rank", "12MiB",
+                          "--verify", 1, "--verify-each-strategy", "--steps", 2)
     assert report["ranked"], output
     # Pipelines and tensor parallelism split the parameters; the pipeline, with no all-reduce per layer, first.
     assert {p["fields"]["strategy"] for p in report["ranked"]} == {"pipeline", "tensor"}, output
@@ -32,6 +33,10 @@ def test_a_deep_mlp_over_the_memory_cap_is_pipelined(tmp_path):
     assert any("ps bsp" in name and "over the 12.0 MiB cap" in reason for name, reason in reasons.items())
     assert "torchpar.pipeline.Pipeline(layers, loss_fn" in output and "torchpar::pipeline::Pipeline" in output
     assert (tmp_path / "plan.png").stat().st_size > 0
+    # 3-D: the best pipeline of tensor groups was run too (its stages' Linear layers split over 2 ranks).
+    three_d = [row for row in report["verified"] if "stages x 2 tensor" in row["configuration"]]
+    assert len(three_d) == 1 and three_d[0]["measured_ms"] > 0, output
+    assert len({row["configuration"].split(",")[0] for row in report["verified"]}) >= 2, output
 
 
 def test_a_wide_embedding_over_the_memory_cap_goes_to_the_parameter_server(tmp_path):

@@ -81,6 +81,7 @@ void bind_plan(py::module_& module) {
       .def_readwrite("strategy", &plan::Configuration::strategy)
       .def_readwrite("world", &plan::Configuration::world)
       .def_readwrite("replicas", &plan::Configuration::replicas)
+      .def_readwrite("tensor", &plan::Configuration::tensor)
       .def_property(
           "schedule", [](const plan::Configuration& c) { return pipeline::schedule_name(c.schedule); },
           [](plan::Configuration& c, const std::string& name) { c.schedule = pipeline::parse_schedule(name); })
@@ -132,9 +133,10 @@ void bind_plan(py::module_& module) {
   m.def("render_table", &plan::render_table, py::arg("plan"));
   m.def(
       "tensor_parallel_roles",
-      [](const plan::ModelProfile& model) {
+      [](const plan::ModelProfile& model, const std::vector<int64_t>& balance) {
         std::vector<std::string> names;
-        for (const auto role : plan::tensor_parallel_roles(model)) {
+        for (const auto role : balance.empty() ? plan::tensor_parallel_roles(model)
+                                               : plan::tensor_parallel_roles(model, balance)) {
           switch (role) {
             case plan::TensorRole::Whole: names.emplace_back("whole"); break;
             case plan::TensorRole::Column: names.emplace_back("column"); break;
@@ -144,7 +146,9 @@ void bind_plan(py::module_& module) {
         }
         return names;
       },
-      py::arg("model"), "Each layer's part under tensor parallelism: whole, column, column_gathered or row.");
+      py::arg("model"), py::arg("balance") = std::vector<int64_t>(),
+      "Each layer's part under tensor parallelism (within each stage of the pipeline cut `balance`, layers per "
+      "stage, if given): whole, column, column_gathered or row.");
   m.def(
       "profile_layers",
       [](const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample, int repeats,

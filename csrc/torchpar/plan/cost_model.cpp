@@ -52,6 +52,21 @@ NetworkProfile under_load(const NetworkProfile& network, const Calibration& cali
   return loaded;
 }
 
+// The collectives of a group of `group` of the world's ranks, from those measured over the whole world:
+// a ring's hops ((n - 1) for n ranks) scale the latency, the share of the bytes each rank sends
+// ((n - 1) / n) the per-byte cost.
+NetworkProfile within_group(const NetworkProfile& network, int world, int group) {
+  if (group == world || world < 2) return network;
+  NetworkProfile scaled = network;
+  const double hops = static_cast<double>(group - 1) / (world - 1);
+  const double bytes = (static_cast<double>(group - 1) / group) / (static_cast<double>(world - 1) / world);
+  for (LinkCost* link : {&scaled.all_reduce, &scaled.all_gather, &scaled.reduce_scatter}) {
+    link->alpha_ms *= hops;
+    link->ms_per_byte *= bytes;
+  }
+  return scaled;
+}
+
 int64_t at_samples(int64_t profiled_bytes, int64_t samples, const ModelProfile& model) {
   return profiled_bytes * samples / model.batch;
 }
@@ -117,6 +132,55 @@ int64_t activation_bytes(const ModelProfile& model, int64_t samples, int64_t beg
   return bytes;
 }
 
+// One layer's work on a rank of a tensor group of `tensor` ranks, and the group's collectives it adds:
+// a row-parallel layer sums its output over the group, a gathered column one gathers it, and a column
+// one sums its input's gradient in backward (but the model's input needs none).
+struct SplitLayerCost {
+  double forward_ms = 0;
+  double backward_input_ms = 0;
+  double backward_weight_ms = 0;
+  double forward_communication_ms = 0;
+  double backward_communication_ms = 0;
+  double parameter_bytes = 0;
+  double moved_bytes = 0;  // sent by one rank of the group
+};
+
+SplitLayerCost split_layer_cost(const ModelProfile& model, size_t index, TensorRole role, int tensor, int64_t samples,
+                                const NetworkProfile& network, const Calibration& calibration) {
+  const auto& layer = model.layers[index];
+  if (tensor > 1 && (role == TensorRole::Column || role == TensorRole::ColumnGathered)) {
+    TORCH_CHECK(layer.out_features % tensor == 0, "layer ", index, " (", layer.name, "): ", layer.out_features,
+                " output features do not split over ", tensor, " ranks");
+  }
+  if (tensor > 1 && role == TensorRole::Row) {
+    TORCH_CHECK(layer.in_features % tensor == 0, "layer ", index, " (", layer.name, "): ", layer.in_features,
+                " input features do not split over ", tensor, " ranks");
+  }
+  const double share = role == TensorRole::Whole ? 1.0 : 1.0 / tensor;
+  SplitLayerCost cost;
+  cost.forward_ms = share * forward_at(layer, samples, model, calibration);
+  cost.backward_input_ms = share * backward_input_at(layer, samples, model, calibration);
+  cost.backward_weight_ms = share * backward_weight_at(layer, samples, model, calibration);
+  cost.parameter_bytes = share * static_cast<double>(layer.parameter_bytes);
+  if (tensor == 1) return cost;
+  const double ring = 2.0 * (tensor - 1) / tensor;  // bytes an all-reduce sends per byte
+  const auto output = static_cast<double>(at_samples(layer.output_bytes, samples, model));
+  const auto input = static_cast<double>(at_samples(layer.activation_bytes - layer.output_bytes, samples, model));
+  if (role == TensorRole::Row) {
+    cost.forward_communication_ms += network.all_reduce.milliseconds(output);
+    cost.moved_bytes += ring * output;
+  }
+  if (role == TensorRole::ColumnGathered) {
+    cost.forward_communication_ms += network.all_gather.milliseconds(output);
+    cost.moved_bytes += ring / 2 * output;
+  }
+  if ((role == TensorRole::Column || role == TensorRole::ColumnGathered) && index > 0) {
+    cost.backward_communication_ms += network.all_reduce.milliseconds(input);
+    cost.moved_bytes += ring * input;
+  }
+  return cost;
+}
+
 } // namespace
 
 int64_t ModelProfile::parameter_bytes() const {
@@ -151,8 +215,9 @@ std::string Configuration::describe() const {
       out << "ddp, " << world << " replicas";
       break;
     case Strategy::Pipeline:
-      out << "pipeline " << pipeline::schedule_name(schedule) << ", " << world / replicas << " stages";
+      out << "pipeline " << pipeline::schedule_name(schedule) << ", " << world / (replicas * tensor) << " stages";
       if (virtual_stages > 1) out << " (x" << virtual_stages << " virtual)";
+      if (tensor > 1) out << " x " << tensor << " tensor";
       if (replicas > 1) out << " x " << replicas << " replicas";
       out << ", " << microbatches << " micro-batches";
       break;
@@ -215,12 +280,15 @@ Prediction predict_data_parallel(const ModelProfile& model, const NetworkProfile
 Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idle_network,
                             const TrainingSetup& setup, const Configuration& configuration, const Calibration& given) {
   const int replicas = configuration.replicas;
+  const int tensor = configuration.tensor;
   const auto network = under_load(idle_network, given);
-  TORCH_CHECK(replicas > 0 && configuration.world % replicas == 0, replicas, " replicas do not divide ",
-              configuration.world, " ranks");
+  const auto tensor_network = within_group(network, configuration.world, tensor);
+  const auto replica_network = within_group(network, configuration.world, replicas);
+  TORCH_CHECK(replicas > 0 && tensor > 0 && configuration.world % (replicas * tensor) == 0, replicas,
+              " replicas x ", tensor, " tensor ranks do not divide ", configuration.world, " ranks");
   pipeline::ScheduleSpec spec;
   spec.kind = configuration.schedule;
-  spec.ranks = configuration.world / replicas;
+  spec.ranks = configuration.world / (replicas * tensor);
   spec.microbatches = configuration.microbatches;
   spec.virtual_stages = configuration.virtual_stages;
   const int stages = spec.stages();
@@ -238,6 +306,11 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
       configuration.balance.empty() ? pipeline::balanced_partition(layer_ms, stages) : configuration.balance;
   pipeline::check_partition(balance, layers, stages);
   const auto bounds = pipeline::stage_boundaries(balance);
+  const auto roles = tensor > 1 ? tensor_parallel_roles(model, balance)
+                                : std::vector<TensorRole>(model.layers.size(), TensorRole::Whole);
+  const auto split = [](TensorRole role) { return role != TensorRole::Whole; };
+  TORCH_CHECK(tensor == 1 || std::any_of(roles.begin(), roles.end(), split),
+              "no layer of the model splits over a tensor group (nn.Linear layers do)");
 
   // The stages' costs with `busy` of the world's ranks computing at once.
   const auto stage_costs = [&](double busy) {
@@ -248,10 +321,11 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
       cost.forward = cost.backward_input = cost.backward_weight = 0;
       const auto [first, end] = std::pair(bounds[static_cast<size_t>(stage)], bounds[static_cast<size_t>(stage) + 1]);
       for (int64_t layer = first; layer < end; ++layer) {
-        const auto& profile = model.layers[static_cast<size_t>(layer)];
-        cost.forward += forward_at(profile, micro, model, calibration);
-        cost.backward_input += backward_input_at(profile, micro, model, calibration);
-        cost.backward_weight += backward_weight_at(profile, micro, model, calibration);
+        const auto index = static_cast<size_t>(layer);
+        const auto split = split_layer_cost(model, index, roles[index], tensor, micro, tensor_network, calibration);
+        cost.forward += split.forward_ms + split.forward_communication_ms;
+        cost.backward_input += split.backward_input_ms + split.backward_communication_ms;
+        cost.backward_weight += split.backward_weight_ms;
       }
       cost.forward += calibration.per_action_ms;
       cost.backward_input += calibration.per_action_ms;
@@ -285,7 +359,12 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
     double compute = 0;
     for (int stage = rank; stage < stages; stage += spec.ranks) {
       const auto begin = bounds[static_cast<size_t>(stage)], end = bounds[static_cast<size_t>(stage) + 1];
-      parameters += sum_parameter_bytes(model, begin, end);
+      for (int64_t layer = begin; layer < end; ++layer) {
+        const auto index = static_cast<size_t>(layer);
+        const auto split = split_layer_cost(model, index, roles[index], tensor, micro, tensor_network, calibration);
+        parameters += static_cast<int64_t>(split.parameter_bytes);
+        sent += static_cast<int64_t>(spec.microbatches * split.moved_bytes);
+      }
       activations = std::max(activations, activation_bytes(model, micro, begin, end));
       const auto& cost = costs[static_cast<size_t>(stage)];
       compute += spec.microbatches * (cost.forward + cost.backward);
@@ -296,7 +375,8 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
         sent += spec.microbatches * at_samples(previous.output_bytes, micro, model);
       }
     }
-    const double averaging = replicas > 1 ? network.all_reduce.milliseconds(static_cast<double>(parameters)) : 0.0;
+    const double averaging =
+        replicas > 1 ? replica_network.all_reduce.milliseconds(static_cast<double>(parameters)) : 0.0;
     slowest_extra = std::max(slowest_extra, averaging + setup.optimizer_ms_per_byte * static_cast<double>(parameters));
     prediction.compute_ms = std::max(prediction.compute_ms, compute);
     const int64_t memory =
@@ -400,6 +480,19 @@ std::vector<TensorRole> tensor_parallel_roles(const ModelProfile& model) {
   return roles;
 }
 
+std::vector<TensorRole> tensor_parallel_roles(const ModelProfile& model, const std::vector<int64_t>& balance) {
+  pipeline::check_partition(balance, static_cast<int64_t>(model.layers.size()), static_cast<int>(balance.size()));
+  const auto bounds = pipeline::stage_boundaries(balance);
+  std::vector<TensorRole> roles;
+  for (size_t stage = 0; stage + 1 < bounds.size(); ++stage) {
+    ModelProfile part;
+    part.layers.assign(model.layers.begin() + bounds[stage], model.layers.begin() + bounds[stage + 1]);
+    const auto stage_roles = tensor_parallel_roles(part);
+    roles.insert(roles.end(), stage_roles.begin(), stage_roles.end());
+  }
+  return roles;
+}
+
 Prediction predict_tensor_parallel(const ModelProfile& model, const NetworkProfile& idle_network,
                                    const TrainingSetup& setup, const Configuration& configuration,
                                    const Calibration& given) {
@@ -415,52 +508,26 @@ Prediction predict_tensor_parallel(const ModelProfile& model, const NetworkProfi
   const auto calibration = with_contention(model, given, configuration.world, configuration.world);
   const auto network = under_load(idle_network, given);
   const int64_t samples = setup.batch / replicas;
-  const double ring = 2.0 * (tensor - 1) / tensor;  // bytes an all-reduce moves per byte, for bytes_per_step
-  double forward = 0, backward = 0, communication = 0, moved = 0;
-  int64_t parameters = 0;
+  const auto tensor_network = within_group(network, configuration.world, tensor);
+  double forward = 0, backward = 0, communication = 0, moved = 0, parameters = 0;
   for (size_t i = 0; i < model.layers.size(); ++i) {
-    const auto& layer = model.layers[i];
-    const TensorRole role = roles[i];
-    const double share = role == TensorRole::Whole ? 1.0 : 1.0 / tensor;
-    if (role == TensorRole::Column || role == TensorRole::ColumnGathered) {
-      TORCH_CHECK(layer.out_features % tensor == 0, "layer ", i, " (", layer.name, "): ", layer.out_features,
-                  " output features do not split over ", tensor, " ranks");
-    }
-    if (role == TensorRole::Row) {
-      TORCH_CHECK(layer.in_features % tensor == 0, "layer ", i, " (", layer.name, "): ", layer.in_features,
-                  " input features do not split over ", tensor, " ranks");
-    }
-    forward += share * forward_at(layer, samples, model, calibration);
-    backward += share * (backward_input_at(layer, samples, model, calibration) +
-                         backward_weight_at(layer, samples, model, calibration));
-    parameters += static_cast<int64_t>(share * static_cast<double>(layer.parameter_bytes));
-    const auto output = static_cast<double>(at_samples(layer.output_bytes, samples, model));
-    const auto input = static_cast<double>(at_samples(layer.activation_bytes - layer.output_bytes, samples, model));
-    // A row-parallel layer sums its output over the group; a gathered column one gathers it; a column
-    // one sums its input's gradient in backward (but the model's input needs none).
-    if (role == TensorRole::Row) {
-      communication += network.all_reduce.milliseconds(output);
-      moved += ring * output;
-    }
-    if (role == TensorRole::ColumnGathered) {
-      communication += network.all_gather.milliseconds(output);
-      moved += ring / 2 * output;
-    }
-    if ((role == TensorRole::Column || role == TensorRole::ColumnGathered) && i > 0) {
-      communication += network.all_reduce.milliseconds(input);
-      moved += ring * input;
-    }
+    const auto cost = split_layer_cost(model, i, roles[i], tensor, samples, tensor_network, calibration);
+    forward += cost.forward_ms;
+    backward += cost.backward_input_ms + cost.backward_weight_ms;
+    communication += cost.forward_communication_ms + cost.backward_communication_ms;
+    moved += cost.moved_bytes;
+    parameters += cost.parameter_bytes;
   }
-  const double averaging = replicas > 1 ? network.all_reduce.milliseconds(static_cast<double>(parameters)) : 0.0;
+  const double averaging =
+      replicas > 1 ? within_group(network, configuration.world, replicas).all_reduce.milliseconds(parameters) : 0.0;
   Prediction prediction;
   prediction.configuration = configuration;
   prediction.compute_ms = forward + backward;
-  prediction.step_ms = forward + backward + communication + averaging +
-                       setup.optimizer_ms_per_byte * static_cast<double>(parameters) + calibration.per_step_ms;
+  prediction.step_ms = forward + backward + communication + averaging + setup.optimizer_ms_per_byte * parameters +
+                       calibration.per_step_ms;
   prediction.exposed_comm_ms = communication + averaging;
-  prediction.memory_per_rank =
-      static_cast<int64_t>(static_cast<double>(parameters) * (2 + (replicas > 1) + setup.optimizer_state_factor)) +
-      activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
+  prediction.memory_per_rank = static_cast<int64_t>(parameters * (2 + (replicas > 1) + setup.optimizer_state_factor)) +
+                               activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
   prediction.bytes_per_step =
       static_cast<int64_t>(moved + (replicas > 1 ? 2.0 * (replicas - 1) / replicas * parameters : 0.0));
   prediction.samples_per_second = static_cast<double>(setup.batch) * 1000.0 / prediction.step_ms;

@@ -118,8 +118,11 @@ struct Configuration {
   // DataParallel: bucket caps (bytes), DDP's defaults.
   int64_t first_bucket_bytes = 1 << 20;
   int64_t bucket_bytes = 25 << 20;
-  // Pipeline: stages per replica = world / replicas, schedule and micro-batches per replica's batch.
+  // Pipeline: stages per replica = world / (replicas x tensor), schedule and micro-batches per replica's
+  // batch; with tensor > 1 each stage's layers are split over a tensor group of that many ranks (3-D:
+  // data x pipeline x tensor).
   int replicas = 1;
+  int tensor = 1;
   pipeline::ScheduleKind schedule = pipeline::ScheduleKind::OneFOneB;
   int microbatches = 1;
   int virtual_stages = 1;
@@ -159,6 +162,8 @@ Prediction predict(const ModelProfile& model, const NetworkProfile& network, con
                    const Configuration& configuration, const Calibration& calibration = {});
 
 std::vector<TensorRole> tensor_parallel_roles(const ModelProfile& model);
+// The same within each pipeline stage of the cut `balance` (layers per stage): a pair never spans a cut.
+std::vector<TensorRole> tensor_parallel_roles(const ModelProfile& model, const std::vector<int64_t>& balance);
 
 // One verified configuration: what its prediction was made from, and its measured step time.
 struct CalibrationSample {

@@ -15,6 +15,18 @@ std::string first_line(const c10::Error& error) {
   return message.substr(0, message.find('\n'));
 }
 
+// How a tensor group splits Linear layers, as code.
+constexpr const char* tensor_layers_cpp =
+    "// Linear layers in pairs: the first split by output features, the second by input features\n"
+    "torchpar::tensor_parallel::ColumnParallelLinear up(\n"
+    "    grid.tensor_group(), torchpar::tensor_parallel::ColumnParallelLinearOptions(width, hidden));\n"
+    "torchpar::tensor_parallel::RowParallelLinear down(\n"
+    "    grid.tensor_group(), torchpar::tensor_parallel::RowParallelLinearOptions(hidden, width));\n";
+constexpr const char* tensor_layers_python =
+    "# Linear layers in pairs: the first split by output features, the second by input features\n"
+    "up = torchpar.tensor_parallel.ColumnParallelLinear(width, hidden, group=grid.tensor_group)\n"
+    "down = torchpar.tensor_parallel.RowParallelLinear(hidden, width, group=grid.tensor_group)\n";
+
 } // namespace
 
 Planner::Planner(ModelProfile model, NetworkProfile network, TrainingSetup setup, Calibration calibration)
@@ -30,9 +42,18 @@ std::vector<Configuration> Planner::candidates(const PlanOptions& options) const
     ddp.world = world;
     configurations.push_back(ddp);
   }
+  // Pipelines of tensor groups (3-D with replicas) where a layer splits and each replica has 2 stages or more.
+  const bool splits = std::any_of(model_.layers.begin(), model_.layers.end(),
+                                  [](const LayerProfile& layer) { return layer.out_features > 0; });
+  std::vector<std::pair<int, int>> pipeline_shapes;  // (replicas, tensor)
+  for (int replicas = 1; replicas <= world / 2; ++replicas) {
+    for (int tensor = 1; replicas * tensor * 2 <= world; ++tensor) {
+      if (world % (replicas * tensor) || (tensor > 1 && !(splits && options.tensor_parallel()))) continue;
+      pipeline_shapes.emplace_back(replicas, tensor);
+    }
+  }
   if (options.pipeline()) {
-    for (int replicas = 1; replicas <= world / 2; ++replicas) {
-      if (world % replicas) continue;
+    for (const auto& [replicas, tensor] : pipeline_shapes) {
       for (auto kind : {pipeline::ScheduleKind::GPipe, pipeline::ScheduleKind::OneFOneB,
                         pipeline::ScheduleKind::Interleaved1F1B, pipeline::ScheduleKind::ZeroBubbleH1}) {
         for (int microbatches : options.microbatches()) {
@@ -40,6 +61,7 @@ std::vector<Configuration> Planner::candidates(const PlanOptions& options) const
           pipe.strategy = Strategy::Pipeline;
           pipe.world = world;
           pipe.replicas = replicas;
+          pipe.tensor = tensor;
           pipe.schedule = kind;
           pipe.virtual_stages = kind == pipeline::ScheduleKind::Interleaved1F1B ? 2 : 1;
           pipe.microbatches = microbatches;
@@ -125,7 +147,7 @@ std::string render_table(const Plan& plan) {
     std::string name = p.configuration.describe();
     if (!p.balance.empty()) {
       name += ", cut";
-      for (auto layers : p.balance) name += " " + std::to_string(layers);
+      for (auto layers : p.balance) name.append(" ").append(std::to_string(layers));
     }
     out << std::setw(3) << ++position << " | " << std::left << std::setw(52) << name << std::right << " | "
         << std::setw(8) << std::setprecision(2) << p.step_ms << " | " << std::setw(9) << std::setprecision(1)
@@ -149,13 +171,15 @@ std::string cpp_code(const Configuration& c, bool sparse_tables) {
              "    torchpar::ddp::DistributedDataParallelOptions().process_group(group));\n";
       break;
     case Strategy::Pipeline: {
+      const bool grid = c.replicas > 1 || c.tensor > 1;
       out << "auto group = torchpar::init_process_group();\n";
-      if (c.replicas > 1) {
-        out << "torchpar::ParallelGrid grid(group, /*data=*/" << c.replicas << ", /*pipeline=*/" << c.world / c.replicas
-            << ", /*tensor=*/1);\n";
+      if (grid) {
+        out << "torchpar::ParallelGrid grid(group, /*data=*/" << c.replicas << ", /*pipeline=*/"
+            << c.world / (c.replicas * c.tensor) << ", /*tensor=*/" << c.tensor << ");\n";
       }
+      if (c.tensor > 1) out << tensor_layers_cpp << "// (each a layer factory, the pairs within a stage)\n";
       out << "torchpar::pipeline::Pipeline pipe(layers, loss_fn, torchpar::pipeline::PipelineOptions()\n"
-          << "    .process_group(" << (c.replicas > 1 ? "grid.pipeline_group()" : "group") << ")"
+          << "    .process_group(" << (grid ? "grid.pipeline_group()" : "group") << ")"
           << (c.replicas > 1 ? ".data_parallel_group(grid.data_group())" : "") << "\n"
           << "    .schedule(\"" << pipeline::schedule_name(c.schedule) << "\").microbatches(" << c.microbatches << ")";
       if (c.virtual_stages > 1) out << ".virtual_stages(" << c.virtual_stages << ")";
@@ -185,11 +209,7 @@ std::string cpp_code(const Configuration& c, bool sparse_tables) {
       out << "auto group = torchpar::init_process_group();\n"
           << "torchpar::ParallelGrid grid(group, /*data=*/" << c.replicas << ", /*pipeline=*/1, /*tensor=*/"
           << c.world / c.replicas << ");\n"
-          << "// Linear layers in pairs: the first split by output features, the second by input features\n"
-          << "torchpar::tensor_parallel::ColumnParallelLinear up(\n"
-          << "    grid.tensor_group(), torchpar::tensor_parallel::ColumnParallelLinearOptions(width, hidden));\n"
-          << "torchpar::tensor_parallel::RowParallelLinear down(\n"
-          << "    grid.tensor_group(), torchpar::tensor_parallel::RowParallelLinearOptions(hidden, width));\n";
+          << tensor_layers_cpp;
       if (c.replicas > 1) out << "// gradients averaged over grid.data_group() after backward\n";
       break;
   }
@@ -204,9 +224,11 @@ std::string python_code(const Configuration& c, bool sparse_tables) {
       break;
     case Strategy::Pipeline: {
       out << "torchpar.init_process_group()\n";
-      if (c.replicas > 1) {
-        out << "grid = torchpar.ParallelGrid(data=" << c.replicas << ", pipeline=" << c.world / c.replicas << ")\n";
+      if (c.replicas > 1 || c.tensor > 1) {
+        out << "grid = torchpar.ParallelGrid(data=" << c.replicas << ", pipeline=" << c.world / (c.replicas * c.tensor)
+            << ", tensor=" << c.tensor << ")\n";
       }
+      if (c.tensor > 1) out << tensor_layers_python << "# (each built by a layer factory, the pairs within a stage)\n";
       out << "pipe = torchpar.pipeline.Pipeline(layers, loss_fn, schedule=\"" << pipeline::schedule_name(c.schedule)
           << "\", microbatches=" << c.microbatches;
       if (c.virtual_stages > 1) out << ", virtual_stages=" << c.virtual_stages;
@@ -215,7 +237,8 @@ std::string python_code(const Configuration& c, bool sparse_tables) {
         for (size_t i = 0; i < c.balance.size(); ++i) out << (i ? ", " : "") << c.balance[i];
         out << "]";
       }
-      if (c.replicas > 1) out << ",\n    process_group=grid.pipeline_group, data_parallel_group=grid.data_group";
+      if (c.replicas > 1 || c.tensor > 1) out << ",\n    process_group=grid.pipeline_group";
+      if (c.replicas > 1) out << ", data_parallel_group=grid.data_group";
       out << ")\n";
       break;
     }
@@ -233,9 +256,7 @@ std::string python_code(const Configuration& c, bool sparse_tables) {
     case Strategy::TensorParallel:
       out << "torchpar.init_process_group()\n"
           << "grid = torchpar.ParallelGrid(data=" << c.replicas << ", tensor=" << c.world / c.replicas << ")\n"
-          << "# Linear layers in pairs: the first split by output features, the second by input features\n"
-          << "up = torchpar.tensor_parallel.ColumnParallelLinear(width, hidden, group=grid.tensor_group)\n"
-          << "down = torchpar.tensor_parallel.RowParallelLinear(hidden, width, group=grid.tensor_group)\n";
+          << tensor_layers_python;
       if (c.replicas > 1) out << "# gradients averaged over grid.data_group after backward\n";
       break;
   }

@@ -26,8 +26,8 @@ KEPT_SAMPLES = 60  # the most recent per key: the machine may change under it
 _LAYER_FIELDS = ("name", "forward_ms", "backward_input_ms", "backward_weight_ms", "forward_overhead_ms",
                  "backward_input_overhead_ms", "backward_weight_overhead_ms", "parameter_bytes", "activation_bytes",
                  "output_bytes", "sparse_parameter_bytes", "sparse_bytes_per_sample", "in_features", "out_features")
-_CONFIGURATION_FIELDS = ("world", "replicas", "schedule", "microbatches", "virtual_stages", "balance", "servers",
-                         "synchronous")
+_CONFIGURATION_FIELDS = ("world", "replicas", "tensor", "schedule", "microbatches", "virtual_stages", "balance",
+                         "servers", "synchronous")
 
 
 def default_calibration(world: int) -> Calibration:
@@ -93,8 +93,13 @@ def sample_to_json(sample) -> dict:
                  for name in ("all_reduce", "send_recv", "copy", "all_gather", "reduce_scatter")},
         setup=dict(batch=sample.setup.batch, optimizer_state_factor=sample.setup.optimizer_state_factor,
                    optimizer_ms_per_byte=sample.setup.optimizer_ms_per_byte),
-        configuration=dict(strategy=configuration.strategy.name,
-                           **{field: getattr(configuration, field) for field in _CONFIGURATION_FIELDS}))
+        configuration=configuration_fields(configuration))
+
+
+def configuration_fields(configuration) -> dict:
+    """A Configuration as JSON fields."""
+    return dict(strategy=configuration.strategy.name,
+                **{field: getattr(configuration, field) for field in _CONFIGURATION_FIELDS})
 
 
 def sample_from_json(fields: dict):
@@ -121,7 +126,8 @@ def sample_from_json(fields: dict):
     configuration = _engine.Configuration()
     configuration.strategy = getattr(_engine.Strategy, fields["configuration"]["strategy"])
     for name in _CONFIGURATION_FIELDS:
-        setattr(configuration, name, fields["configuration"][name])
+        if name in fields["configuration"]:  # samples kept before a field existed take its default
+            setattr(configuration, name, fields["configuration"][name])
     sample.configuration = configuration
     sample.measured_ms = fields["measured_ms"]
     return sample

@@ -27,7 +27,8 @@ import re
 import torch
 import torch.distributed as dist
 
-from torchpar.plan.calibration import FIELDS as CALIBRATION_FIELDS, describe as describe_calibration
+from torchpar.plan.calibration import FIELDS as CALIBRATION_FIELDS, configuration_fields
+from torchpar.plan.calibration import describe as describe_calibration
 
 logger = logging.getLogger("torchpar.plan")
 UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -49,18 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-per-rank", type=parse_bytes, default=0, help="e.g. 2GiB (default: no cap)")
     parser.add_argument("--verify", type=int, default=0, metavar="K", help="run the top K for real")
     parser.add_argument("--verify-each-strategy", action="store_true",
-                        help="also verify the best configuration of every strategy outside the top K")
+                        help="also verify the best configuration of every strategy (ddp, pipeline, ps, tensor, "
+                             "pipeline x tensor) outside the top K")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per verified configuration")
     parser.add_argument("--backend", choices=["gloo", "shm"], default="gloo")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("torchpar-plan"))
     return parser.parse_args(argv)
-
-
-def configuration_fields(configuration) -> dict:
-    return dict(strategy=configuration.strategy.name, world=configuration.world, replicas=configuration.replicas,
-                schedule=configuration.schedule, microbatches=configuration.microbatches,
-                virtual_stages=configuration.virtual_stages, balance=list(configuration.balance),
-                servers=configuration.servers, synchronous=configuration.synchronous)
 
 
 def configuration_from(fields: dict):
@@ -72,11 +67,19 @@ def configuration_from(fields: dict):
     return configuration
 
 
+def strategy_kind(fields: dict) -> str:
+    """ddp, pipeline, ps, tensor, or pipeline x tensor (stages of tensor groups)."""
+    return "pipeline x tensor" if fields["strategy"] == "pipeline" and fields["tensor"] > 1 else fields["strategy"]
+
+
 def prediction_fields(prediction) -> dict:
+    # The cut the prediction was made with, so that --verify runs (and the calibration re-predicts) that one.
+    fields = configuration_fields(prediction.configuration)
+    fields["balance"] = list(prediction.balance) or fields["balance"]
     return dict(configuration=prediction.configuration.describe(), step_ms=prediction.step_ms,
                 samples_per_second=prediction.samples_per_second, memory_per_rank=prediction.memory_per_rank,
                 bubble_fraction=prediction.bubble_fraction, bytes_per_step=prediction.bytes_per_step,
-                compute_ms=prediction.compute_ms, fields=configuration_fields(prediction.configuration))
+                compute_ms=prediction.compute_ms, fields=fields)
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
@@ -167,12 +170,16 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     if rank == 0:
         from torchpar._C import plan as engine
 
-        chosen = [report["ranked"][:args.verify], engine.tensor_parallel_roles(model_profile)]
+        chosen[0] = report["ranked"][:args.verify]
         if args.verify_each_strategy:
-            for strategy in ("ddp", "pipeline", "ps", "tensor"):
-                best = next((p for p in report["ranked"] if p["fields"]["strategy"] == strategy), None)
+            for kind in ("ddp", "pipeline", "ps", "tensor", "pipeline x tensor"):
+                best = next((p for p in report["ranked"] if strategy_kind(p["fields"]) == kind), None)
                 if best is not None and best not in chosen[0]:
                     chosen[0].append(best)
+        # Each layer's part where a tensor group splits it (within each stage for a pipeline of tensor groups).
+        chosen[1] = [engine.tensor_parallel_roles(model_profile, entry["fields"]["balance"]
+                                                  if entry["fields"]["strategy"] == "pipeline" else [])
+                     for entry in chosen[0]]
     dist.broadcast_object_list(chosen, src=0, group=control)
     measured = []
     if chosen[0]:
@@ -181,11 +188,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         # One untimed step of the first configuration: what a process sets up once (threads, lazy libraries,
         # the first groups' buffers) is then not counted in that configuration's memory.
         measure(model, configuration_from(chosen[0][0]["fields"]), args.batch, args.backend, control, warmup=0,
-                steps=1, tensor_roles=chosen[1])
-        for entry in tqdm(chosen[0], desc="verify", unit="config", disable=rank != 0):
+                steps=1, tensor_roles=chosen[1][0])
+        for entry, roles in tqdm(list(zip(*chosen)), desc="verify", unit="config", disable=rank != 0):
             configuration = configuration_from(entry["fields"])
             measured.append(measure(model, configuration, args.batch, args.backend, control, steps=args.steps,
-                                    tensor_roles=chosen[1]))
+                                    tensor_roles=roles))
     if rank == 0:
         if measured:
             for entry, measurement in zip(chosen[0], measured):

@@ -23,7 +23,10 @@ def splittable_linear(layer: nn.Module) -> Optional[nn.Linear]:
     return None
 
 
-def _split(layer: nn.Module, role: str, group) -> nn.Module:
+def split_layer(layer: nn.Module, role: str, group) -> nn.Module:
+    """A copy of `layer` in its role over the tensor group `group` (every rank of it calls this)."""
+    if role == "whole":
+        return copy.deepcopy(layer)
     linear = splittable_linear(layer)
     bias = linear.bias is not None
     if role == "row":
@@ -36,5 +39,4 @@ def _split(layer: nn.Module, role: str, group) -> nn.Module:
 
 def split_model(layers: list[nn.Module], roles: list[str], group) -> nn.Sequential:
     """`layers` with each one's role applied over the tensor group `group` (every rank of it calls this)."""
-    return nn.Sequential(*[copy.deepcopy(layer) if role == "whole" else _split(layer, role, group)
-                           for layer, role in zip(layers, roles)])
+    return nn.Sequential(*[split_layer(layer, role, group) for layer, role in zip(layers, roles)])

@@ -27,7 +27,7 @@ import torchpar.ps
 from torchpar._C import plan as _engine
 from torchpar.plan.embeddings import with_remote_embeddings
 from torchpar.plan.model import Model
-from torchpar.plan.tensor_split import split_model
+from torchpar.plan.tensor_split import split_layer, split_model
 
 
 def _timed_steps(step, warmup: int, steps: int) -> float:
@@ -97,12 +97,15 @@ def _ddp(model: Model, layers: list[nn.Module], batch: int, warmup: int, steps: 
     return _timed_training(model, net, batch // dist.get_world_size(), warmup, steps)
 
 
-def _pipeline(model: Model, configuration, batch: int, warmup: int, steps: int, backend: str) -> float:
+def _pipeline(model: Model, configuration, batch: int, warmup: int, steps: int, backend: str,
+              tensor_roles: Optional[list[str]]) -> float:
     world = dist.get_world_size()
-    replicas = configuration.replicas
-    grid = torchpar.ParallelGrid(data=replicas, pipeline=world // replicas, backend=backend)
+    replicas, tensor = configuration.replicas, configuration.tensor
+    grid = torchpar.ParallelGrid(data=replicas, pipeline=world // (replicas * tensor), tensor=tensor, backend=backend)
+    roles = tensor_roles if tensor > 1 else ["whole"] * len(model.layers)
     pipe = torchpar.pipeline.Pipeline(
-        [lambda i=i: copy.deepcopy(model.build(i)) for i in range(len(model.layers))], model.loss,
+        [lambda i=i: split_layer(model.build(i), roles[i], grid.tensor_group) for i in range(len(model.layers))],
+        model.loss,
         schedule=configuration.schedule, microbatches=configuration.microbatches,
         virtual_stages=configuration.virtual_stages, balance=list(configuration.balance),
         process_group=grid.pipeline_group, data_parallel_group=grid.data_group if replicas > 1 else None)
@@ -158,7 +161,7 @@ def measure(model: Model, configuration, batch: int, backend: str, control, warm
             tensor_roles: Optional[list[str]] = None) -> Measurement:
     """`configuration` run for `warmup` + `steps` steps (collective over the world; `control` is a Gloo group of
     every rank for the reductions; `tensor_roles`: each layer's under tensor parallelism, as
-    ``torchpar._C.plan.tensor_parallel_roles`` gives them)."""
+    ``torchpar._C.plan.tensor_parallel_roles`` gives them for the configuration)."""
     strategy = configuration.strategy
     dist.barrier(group=control)
     baseline = _start_memory_watch()
@@ -166,7 +169,7 @@ def measure(model: Model, configuration, batch: int, backend: str, control, warm
         layers = [copy.deepcopy(model.build(i)) for i in range(len(model.layers))]
         mine = _ddp(model, layers, batch, warmup, steps)
     elif strategy == _engine.Strategy.pipeline:
-        mine = _pipeline(model, configuration, batch, warmup, steps, backend)
+        mine = _pipeline(model, configuration, batch, warmup, steps, backend, tensor_roles)
     elif strategy == _engine.Strategy.tensor:
         mine = _tensor_parallel(model, tensor_roles, configuration, batch, warmup, steps, backend)
     else:
