@@ -1,12 +1,15 @@
 """Collective latency and bus bandwidth: torchpar's "shm" backend beside torch's Gloo, in one run.
 
-    python benchmarks/collectives.py [--worlds 2 4] [--max-bytes 64MiB] [--out benchmarks/results]
+    python benchmarks/collectives.py [--worlds 2 3 4] [--max-bytes 64MiB] [--out benchmarks/results]
 
 For each world size the script spawns that many ranks on this host; every rank joins a Gloo group
-and an shm group, and each (op, size) is timed on both, alternately, in the same processes. A plain
-memcpy of the same size (one process, torch's copy_) is measured as the physical bound. Bus
-bandwidth follows nccl-tests: allreduce algbw*2(n-1)/n, allgather algbw*(n-1)/n (size = output),
-broadcast algbw. Writes <out>/collectives.json and collectives.png and prints the table.
+and an shm group, and each (op, size) is timed op by op on both, in alternating blocks, in the same
+processes: the median (p50) and 90th percentile (p90) of the slowest rank. A plain memcpy of the same
+size (one process, torch's copy_) is measured as the physical bound. Bus bandwidth follows nccl-tests
+(from the median): allreduce algbw*2(n-1)/n, allgather algbw*(n-1)/n (size = output), broadcast algbw.
+Sizes double from 4 KiB. Prints the table and the shm all-reduce's targets (no step in the latency
+curve, a short tail, the speed-up over Gloo up to 1 MiB, bus bandwidth against memcpy at 16-64 MiB)
+with which hold; writes <out>/collectives.json and collectives.png.
 """
 from __future__ import annotations
 
@@ -28,14 +31,20 @@ from torchpar.plan.cli import parse_bytes  # "64MiB", "4 KiB", "1000000"
 logger = logging.getLogger("torchpar.bench")
 OPS = ("allreduce", "broadcast", "allgather")
 BACKENDS = ("gloo", "shm")
-TARGET_SECONDS = 0.25  # per measurement; sizes are timed over enough iterations to reach it
+TARGET_SECONDS = 0.25  # per measurement (both backends' blocks together take about twice that)
+BLOCKS = 3  # alternating blocks per backend
+# The shm all-reduce's targets (issue 16): the largest time ratio per doubling of size, the largest p90 / p50,
+# the smallest speed-up over Gloo's median up to SPEEDUP_UP_TO bytes, the smallest share of memcpy's bandwidth
+# from BANDWIDTH_FROM bytes.
+STEP_AT_MOST, TAIL_AT_MOST, SPEEDUP_AT_LEAST, BANDWIDTH_AT_LEAST = 2.2, 1.5, 10.0, 0.8
+SPEEDUP_UP_TO, BANDWIDTH_FROM = 1 << 20, 16 << 20
 
 
 def sizes_up_to(max_bytes: int) -> list[int]:
     sizes, size = [], 4096
     while size <= max_bytes:
         sizes.append(size)
-        size *= 4
+        size *= 2
     return sizes
 
 
@@ -52,17 +61,28 @@ def run_op(op, group, tensor, gathered):
         dist.all_gather_into_tensor(gathered, tensor, group=group)
 
 
-def time_op(op, group, tensor, gathered, control, iterations: int) -> float:
-    """Seconds per op, the slowest rank's."""
+def time_ops(op, group, tensor, gathered, control, iterations: int) -> list[float]:
+    """Seconds of each of `iterations` ops on this rank (all ranks start together)."""
     for _ in range(2):
         run_op(op, group, tensor, gathered)
     dist.barrier(group=control)
-    start = time.perf_counter()
+    seconds = []
     for _ in range(iterations):
+        start = time.perf_counter()
         run_op(op, group, tensor, gathered)
-    elapsed = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
-    return elapsed.item()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def slowest_rank(values: list[float], control) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=control)
+    return tensor.tolist()
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def rank_main(rank: int, world: int, port: int, sizes: list[int], results) -> None:
@@ -78,21 +98,29 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], results) -> No
     if rank == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=len(OPS) * len(sizes) * len(BACKENDS), desc=f"{world} ranks", unit="case")
+        progress = tqdm(total=len(OPS) * len(sizes), desc=f"{world} ranks", unit="case")
     for op in OPS:
         for size in sizes:
             tensor = torch.ones(size // 4, dtype=torch.float32)
             gathered = torch.empty(world * tensor.numel(), dtype=torch.float32)
+            # A short probe sets how many ops fill TARGET_SECONDS for each backend; the blocks then alternate.
+            blocks = {}
             for backend in BACKENDS:
-                # A short probe sets how many iterations fill TARGET_SECONDS for this backend.
-                probe = time_op(op, groups[backend], tensor, gathered, control, 10)
-                iterations = max(5, min(20000, int(TARGET_SECONDS / max(probe, 1e-7))))
-                seconds = time_op(op, groups[backend], tensor, gathered, control, iterations)
+                probe = slowest_rank([sum(time_ops(op, groups[backend], tensor, gathered, control, 5)) / 5],
+                                     control)[0]
+                blocks[backend] = max(10, min(5000, int(TARGET_SECONDS / BLOCKS / max(probe, 1e-7))))
+            samples = {backend: [] for backend in BACKENDS}
+            for _ in range(BLOCKS):
+                for backend in BACKENDS:
+                    samples[backend] += time_ops(op, groups[backend], tensor, gathered, control, blocks[backend])
+            for backend in BACKENDS:
+                median, p90 = slowest_rank([percentile(samples[backend], 0.5), percentile(samples[backend], 0.9)],
+                                           control)
                 data = size * (world if op == "allgather" else 1)
-                rows.append(dict(op=op, world=world, backend=backend, bytes=size, seconds=seconds,
-                                 busbw_gbps=data / seconds * bus_factor(op, world) / 1e9))
-                if progress:
-                    progress.update()
+                rows.append(dict(op=op, world=world, backend=backend, bytes=size, seconds=median, p90_seconds=p90,
+                                 busbw_gbps=data / median * bus_factor(op, world) / 1e9))
+            if progress:
+                progress.update()
     if progress:
         progress.close()
     if rank == 0:
@@ -119,16 +147,57 @@ def memcpy_rows(sizes: list[int]) -> list[dict]:
 def table(rows: list[dict]) -> str:
     index = {(r["op"], r["world"], r["backend"], r["bytes"]): r for r in rows}
     memcpy = {r["bytes"]: r for r in rows if r["op"] == "memcpy"}
-    lines = ["| op | ranks | size | gloo latency | shm latency | speed-up | gloo busbw | shm busbw | memcpy |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| op | ranks | size | gloo p50 | gloo p90 | shm p50 | shm p90 | speed-up (p50) | gloo busbw | shm busbw "
+             "| memcpy |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for op in OPS:
         for world in sorted({r["world"] for r in rows if r["op"] == op}):
             for size in sorted({r["bytes"] for r in rows if r["op"] == op}):
                 gloo, shm = index[(op, world, "gloo", size)], index[(op, world, "shm", size)]
                 lines.append(
-                    f"| {op} | {world} | {human(size)} | {gloo['seconds'] * 1e6:.0f} µs | {shm['seconds'] * 1e6:.1f} µs "
+                    f"| {op} | {world} | {human(size)} | {gloo['seconds'] * 1e6:.0f} µs "
+                    f"| {gloo['p90_seconds'] * 1e6:.0f} µs "
+                    f"| {shm['seconds'] * 1e6:.1f} µs | {shm['p90_seconds'] * 1e6:.1f} µs "
                     f"| {gloo['seconds'] / shm['seconds']:.1f}x | {gloo['busbw_gbps']:.2f} GB/s "
                     f"| {shm['busbw_gbps']:.2f} GB/s | {memcpy[size]['busbw_gbps']:.2f} GB/s |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The shm all-reduce's targets per world size: what was measured, and whether it holds."""
+    memcpy = {r["bytes"]: r["busbw_gbps"] for r in rows if r["op"] == "memcpy"}
+    checks = []
+    for world in sorted({r["world"] for r in rows if r["op"] == "allreduce"}):
+        shm = sorted((r for r in rows if (r["op"], r["world"], r["backend"]) == ("allreduce", world, "shm")),
+                     key=lambda r: r["bytes"])
+        gloo = {r["bytes"]: r for r in rows if (r["op"], r["world"], r["backend"]) == ("allreduce", world, "gloo")}
+        steps = [(b["seconds"] / a["seconds"], b["bytes"]) for a, b in zip(shm, shm[1:])]
+        tails = [(r["p90_seconds"] / r["seconds"], r["bytes"]) for r in shm]
+        speedups = [(gloo[r["bytes"]]["seconds"] / r["seconds"], r["bytes"]) for r in shm
+                    if r["bytes"] <= SPEEDUP_UP_TO]
+        shares = [(r["busbw_gbps"] / memcpy[r["bytes"]], r["bytes"]) for r in shm if r["bytes"] >= BANDWIDTH_FROM]
+        for name, values, worst, holds in (
+                (f"time per doubling of size <= {STEP_AT_MOST}x", steps, max,
+                 lambda v: v <= STEP_AT_MOST),
+                (f"p90 <= {TAIL_AT_MOST}x p50", tails, max, lambda v: v <= TAIL_AT_MOST),
+                (f">= {SPEEDUP_AT_LEAST:.0f}x Gloo's median up to {human(SPEEDUP_UP_TO)}", speedups, min,
+                 lambda v: v >= SPEEDUP_AT_LEAST),
+                (f"busbw >= {BANDWIDTH_AT_LEAST:.0%} of memcpy from {human(BANDWIDTH_FROM)}", shares, min,
+                 lambda v: v >= BANDWIDTH_AT_LEAST)):
+            if not values:
+                continue
+            value, size = worst(values)
+            checks.append(dict(world=world, target=name, worst=value, at_bytes=size, holds=holds(value),
+                               held=sum(holds(v) for v, _ in values), of=len(values)))
+    return checks
+
+
+def targets_table(checks: list[dict]) -> str:
+    lines = ["| ranks | shm all-reduce target | worst measured | at | sizes holding | holds |",
+             "| ---: | --- | ---: | ---: | ---: | --- |"]
+    for c in checks:
+        lines.append(f"| {c['world']} | {c['target']} | {c['worst']:.2f} | {human(c['at_bytes'])} "
+                     f"| {c['held']} of {c['of']} | {'yes' if c['holds'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -153,7 +222,10 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                                 key=lambda r: r["bytes"])
                 sizes = [r["bytes"] for r in series]
                 label = f"{backend}, {world} ranks"
-                latency.plot(sizes, [r["seconds"] * 1e6 for r in series], style, marker="o", label=label)
+                line, = latency.plot(sizes, [r["seconds"] * 1e6 for r in series], style, marker="o",
+                                     label=label + " (p50; band to p90)")
+                latency.fill_between(sizes, [r["seconds"] * 1e6 for r in series],
+                                     [r["p90_seconds"] * 1e6 for r in series], color=line.get_color(), alpha=0.15)
                 bandwidth.plot(sizes, [r["busbw_gbps"] for r in series], style, marker="o", label=label)
         bandwidth.plot([r["bytes"] for r in memcpy], [r["busbw_gbps"] for r in memcpy], ":", color="black",
                        label="memcpy (1 core)")
@@ -167,7 +239,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("64MiB"))
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -187,9 +259,11 @@ def main() -> None:
             if process.exitcode != 0:
                 raise SystemExit(f"a rank of the {world}-rank run failed (exit code {process.exitcode})")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "collectives.json").write_text(json.dumps(rows, indent=1))
+    checks = targets(rows)
+    (args.out / "collectives.json").write_text(json.dumps(dict(rows=rows, targets=checks), indent=1))
     plot(rows, args.out / "collectives.png")
-    logger.info("%s\n\nwrote %s and %s", table(rows), args.out / "collectives.json", args.out / "collectives.png")
+    logger.info("%s\n\n%s\n\nwrote %s and %s", table(rows), targets_table(checks), args.out / "collectives.json",
+                args.out / "collectives.png")
 
 
 if __name__ == "__main__":

@@ -94,6 +94,20 @@ TEST_CASE("shm communicator: reductions equal the sum over ranks, whole, at the 
       comm.reduce(descriptor(OpKind::Allreduce, ones, -1, c10d::ReduceOp::MAX), ones, largest, ReduceMode::All,
                   c10d::ReduceOp::MAX);
       TORCH_CHECK(at::allclose(largest, at::full({numel}, 1.0 + world, at::kFloat), 0, 0), "max differs");
+
+      // In place: a rank reads the part only it reduces from its input, not from its slot, and the
+      // output may be that input (all-reduce, reduce) or a view of it (reduce_scatter into its block).
+      auto in_place = input.clone();
+      comm.reduce(descriptor(OpKind::Allreduce, in_place), in_place, in_place, ReduceMode::All, c10d::ReduceOp::SUM);
+      TORCH_CHECK(at::allclose(in_place, expected, 0, 0), "in-place allreduce differs on rank ", rank);
+      in_place = input.clone();
+      comm.reduce(descriptor(OpKind::Reduce, in_place, 0), in_place, in_place, ReduceMode::Root, c10d::ReduceOp::SUM);
+      TORCH_CHECK(at::allclose(in_place, rank == 0 ? expected : input, 0, 0), "in-place reduce differs on rank ", rank);
+      in_place = input.clone();
+      auto own_block = in_place.chunk(world)[rank];
+      comm.reduce(descriptor(OpKind::ReduceScatter, in_place), in_place, own_block, ReduceMode::Scatter,
+                  c10d::ReduceOp::SUM);
+      TORCH_CHECK(at::allclose(own_block, expected.chunk(world)[rank], 0, 0), "in-place reduce_scatter differs");
     });
     for (int rank = 0; rank < world; ++rank) {
       INFO("numel " << numel << ", rank " << rank);

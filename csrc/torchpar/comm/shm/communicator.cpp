@@ -84,7 +84,8 @@ Communicator::Communicator(
       layout_(layout),
       rank_(rank),
       timeout_ms_(timeout.count()),
-      controls_(reinterpret_cast<RankControl*>(segment_.data() + layout_.controls_offset())) {
+      controls_(reinterpret_cast<RankControl*>(segment_.data() + layout_.controls_offset())),
+      spin_for_(spin_budget(layout_.world)) {
   phase_ = mine().progress.load(std::memory_order_acquire);
   mine().pid = static_cast<int32_t>(::getpid());
   mine().pid_namespace = torchpar::pid_namespace();
@@ -112,7 +113,7 @@ std::string Communicator::describe() const {
 void Communicator::meet() {
   advance(mine());
   ++phase_;
-  wait_for_all(controls_, world(), phase_, deadline_, [this] { return describe(); });
+  wait_for_all(controls_, world(), phase_, deadline_, spin_for_, [this] { return describe(); });
 }
 
 template <typename Rounds>
@@ -128,9 +129,14 @@ void Communicator::run(Rounds&& rounds) {
   }
 }
 
-void Communicator::publish(const char* bytes, uint64_t length) {
-  if (length > 0) {
-    std::memcpy(slot(rank_), bytes, length);
+void Communicator::publish(const char* bytes, uint64_t length, uint64_t keep_from, uint64_t keep_to) {
+  keep_from = std::min(keep_from, length);
+  keep_to = std::clamp(keep_to, keep_from, length);
+  if (keep_from > 0) {
+    std::memcpy(slot(rank_), bytes, keep_from);
+  }
+  if (length > keep_to) {
+    std::memcpy(slot(rank_) + keep_to, bytes + keep_to, length - keep_to);
   }
   meet();
 }
@@ -207,49 +213,59 @@ void Communicator::reduce(
     const char* in = static_cast<const char*>(input.const_data_ptr());
     char* out = static_cast<char*>(output.data_ptr());
     std::vector<const void*> sources(world());
-    auto gather_sources = [&](int64_t first) {
+    // The ranks' elements from `first` on: this rank's straight from its input where it kept them out
+    // of its slot, the others' from their slots.
+    auto gather_sources = [&](int64_t first, bool own_from_input) {
       for (int rank = 0; rank < world(); ++rank) {
         sources[rank] = slot(rank) + (first % per_chunk) * element;
       }
+      if (own_from_input) {
+        sources[rank_] = in + first * element;
+      }
     };
+    const int64_t align = std::max<int64_t>(1, kPartitionAlignBytes / element);
 
     for (uint64_t k = 0; k < rounds; ++k) {
       const int64_t begin = static_cast<int64_t>(k) * per_chunk;
       const int64_t end = std::min(numel, begin + per_chunk);
-      publish(in + begin * element, static_cast<uint64_t>((end - begin) * element));
+      // The partition of the chunk each rank reduces (All: then copied out to every rank).
+      const int64_t part = (ceil_div(static_cast<uint64_t>(end - begin), world()) + align - 1) / align * align;
+      auto part_range = [&](int rank) {
+        const int64_t from = std::min(end, begin + rank * part);
+        return std::make_pair(from, std::min(end, from + part));
+      };
+      // What only this rank reads of its own chunk stays out of its slot: the root's whole chunk, its
+      // block of a scatter, its partition of a large all-reduce.
+      std::pair<int64_t, int64_t> kept{begin, begin};
+      if (mode == ReduceMode::Root && rank_ == descriptor.root) {
+        kept = {begin, end};
+      } else if (mode == ReduceMode::Scatter) {
+        kept = {std::clamp(rank_ * block, begin, end), std::clamp((rank_ + 1) * block, begin, end)};
+      } else if (mode == ReduceMode::All && !one_shot) {
+        kept = part_range(rank_);
+      }
+      const auto bytes_from_begin = [&](int64_t index) { return static_cast<uint64_t>((index - begin) * element); };
+      publish(in + begin * element, bytes_from_begin(end), bytes_from_begin(kept.first),
+              bytes_from_begin(kept.second));
       if (k == 0) {
         check_descriptors();
       }
-      if (mode == ReduceMode::Root) {
-        if (rank_ == descriptor.root) {
-          gather_sources(begin);
-          reduce_slices(out + begin * element, sources, end - begin, dtype, op);
-        }
-      } else if (mode == ReduceMode::Scatter) {
-        const int64_t from = std::max(begin, rank_ * block);
-        const int64_t to = std::min(end, (rank_ + 1) * block);
-        if (from < to) {
-          gather_sources(from);
-          reduce_slices(out + (from - rank_ * block) * element, sources, to - from, dtype, op);
-        }
-      } else if (one_shot) {
-        gather_sources(begin);
+      // What only this rank reduces is reduced into its slot's unpublished part (the output may be
+      // the input itself), then copied out.
+      const auto [from, to] = kept;
+      const int64_t output_offset = mode == ReduceMode::Scatter ? rank_ * block : 0;
+      if (from < to) {
+        gather_sources(from, true);
+        char* reduced = slot(rank_) + (from - begin) * element;
+        reduce_slices(reduced, sources, to - from, dtype, op);
+        std::memcpy(out + (from - output_offset) * element, reduced, (to - from) * element);
+      }
+      if (one_shot) {
+        gather_sources(begin, false);
         reduce_slices(out + begin * element, sources, end - begin, dtype, op);
-      } else {
-        // Each rank reduces one partition of the chunk into its own slot (and output), then every
-        // rank copies the other partitions from their owners' slots.
-        const int64_t align = std::max<int64_t>(1, kPartitionAlignBytes / element);
-        const int64_t part = (ceil_div(static_cast<uint64_t>(end - begin), world()) + align - 1) / align * align;
-        auto part_range = [&](int rank) {
-          const int64_t from = std::min(end, begin + rank * part);
-          return std::make_pair(from, std::min(end, from + part));
-        };
-        const auto [from, to] = part_range(rank_);
-        if (from < to) {
-          gather_sources(from);
-          reduce_slices(out + from * element, sources, to - from, dtype, op);
-          std::memcpy(slot(rank_) + (from - begin) * element, out + from * element, (to - from) * element);
-        }
+      } else if (mode == ReduceMode::All) {
+        // Each rank reduced one partition of the chunk into its slot; every rank copies the other
+        // partitions from their owners' slots.
         meet();
         for (int rank = 0; rank < world(); ++rank) {
           const auto [theirs_from, theirs_to] = part_range(rank);

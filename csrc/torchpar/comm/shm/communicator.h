@@ -76,9 +76,10 @@ class Communicator {
   RankControl& mine() const {
     return controls_[rank_];
   }
-  // Copies this rank's part of the current round into its slot (with the op's descriptor in the
-  // first round), then waits for every rank to have done the same.
-  void publish(const char* bytes, uint64_t length);
+  // Copies this rank's part of the current round into its slot, but for bytes [keep_from, keep_to)
+  // that no other rank reads, then waits for every rank to have done the same (and published the
+  // op's descriptor, in the first round).
+  void publish(const char* bytes, uint64_t length, uint64_t keep_from = 0, uint64_t keep_to = 0);
   void meet();
   // After the first round: every rank's descriptor must match; returns the longest stream.
   uint64_t check_descriptors();
@@ -96,6 +97,7 @@ class Communicator {
   int rank_;
   std::atomic<std::chrono::milliseconds::rep> timeout_ms_;
   RankControl* controls_;
+  std::chrono::microseconds spin_for_; // how long a meeting spins before it yields
   uint64_t round_ = 0; // rounds completed by this group; selects the buffer set
   uint32_t phase_ = 0; // this rank's progress counter
   uint64_t sequence_ = 0;

@@ -85,8 +85,9 @@ class ProcessGroupShm : public c10d::Backend {
 
  private:
   using Task = std::function<void()>;
-  // Runs `task` on the backend's thread, in call order; a small task finding nothing ahead of it
-  // runs at once on the calling thread instead (two thread hand-offs would cost more than the op).
+  // Runs `task` on the backend's thread, in call order; a task up to a few MiB finding nothing ahead
+  // of it runs at once on the calling thread instead (two thread hand-offs would cost more than the
+  // overlap gains).
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs, uint64_t bytes,
                                          Task task);
   // Multi-host fallback: `call` runs the op on Gloo, from this backend's queue, so that it keeps

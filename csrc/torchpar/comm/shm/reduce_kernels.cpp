@@ -92,12 +92,18 @@ T wrapping(T a, T b, Op op) {
 template <typename T>
 bool reduce_plain(T* out, const std::vector<const void*>& sources, int64_t count, RedOp op) {
   auto source = [&](std::size_t i) { return static_cast<const T*>(sources[i]); };
+  // One pass over the first two sources (no copy of the first into `out` before), then one per source.
   auto fold = [&](auto combine) {
     const T* first = source(0);
-    for (int64_t i = 0; i < count; ++i) {
-      out[i] = first[i];
+    if (sources.size() == 1) {
+      std::copy(first, first + count, out);
+      return;
     }
-    for (std::size_t k = 1; k < sources.size(); ++k) {
+    const T* second = source(1);
+    for (int64_t i = 0; i < count; ++i) {
+      out[i] = combine(first[i], second[i]);
+    }
+    for (std::size_t k = 2; k < sources.size(); ++k) {
       const T* next = source(k);
       for (int64_t i = 0; i < count; ++i) {
         out[i] = combine(out[i], next[i]);
