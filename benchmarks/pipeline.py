@@ -76,6 +76,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import targets
 from bench_ranks import run_world
 
 logger = logging.getLogger("torchpar.bench")
@@ -702,6 +703,19 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def pipeline_targets(rows: list[dict]) -> list[targets.Target]:
+    """torchpar/torch in every row; the bubble torchpar measures in its own run within 5 points of the
+    simulator's prediction from the same run's stage costs, for 1F1B and ZB-H1 at m = 8 on 2 ranks."""
+    checks = [targets.at_least("torchpar/torch, lowest row", min(r["ratio_to_torch"] for r in rows), 1.2)]
+    for r in rows:
+        measured_in_run = "run_bubble" in r
+        if (r["world"], r["microbatches"]) == (2, 8) and r["schedule"] in ("1f1b", "zero_bubble") and measured_in_run:
+            bubble = r["run_bubble"]
+            checks.append(targets.at_most(f"{label(r)}: measured - predicted bubble, points",
+                                          100 * (bubble["measured"] - bubble["predicted"]), 5))
+    return checks
+
+
 def main() -> None:
     from torchpar.pipeline import SCHEDULES
 
@@ -751,10 +765,12 @@ def main() -> None:
             notes.append(f"{world} ranks, m={m}: zero_bubble / 1f1b samples/s: torchpar "
                          f"{r['torchpar_samples_per_s'] / base['torchpar_samples_per_s']:.2f}, torch "
                          f"{r['torch_samples_per_s'] / base['torch_samples_per_s']:.2f} (medians of separate runs)")
-    logger.info("%s\n\n%s\n\n%s\n\n%s\n\ntorchpar/torch: lowest %.2f, median %.2f%s\nwrote %s and %s in %.0f s",
+    logger.info("%s\n\n%s\n\n%s\n\n%s\n\ntorchpar/torch: lowest %.2f, median %.2f%s\n\n%s\nwrote %s and %s "
+                "in %.0f s",
                 throughput_table(rows), run_bubble_table(rows), bubble_table(rows), memory_table(rows), min(ratios),
-                statistics.median(ratios), "".join(f"\n{note}" for note in notes), args.out / "pipeline.json",
-                args.out / "pipeline.png", time.perf_counter() - start)
+                statistics.median(ratios), "".join(f"\n{note}" for note in notes),
+                targets.table(pipeline_targets(rows)), args.out / "pipeline.json", args.out / "pipeline.png",
+                time.perf_counter() - start)
 
 
 if __name__ == "__main__":
