@@ -198,17 +198,23 @@ def recorded_timeline(rank, world):
     inputs, target = batch(12)
     pipe.step(inputs, target)
     return [(str(t.action.type).rsplit(".", 1)[-1], t.action.microbatch, t.start, t.end) for t in pipe.last_step_timeline], \
-        pipe.last_step_milliseconds, [repr(a) for a in pipe.actions if a.is_compute]
+        pipe.last_step_milliseconds, pipe.last_step_waiting_milliseconds, [repr(a) for a in pipe.actions if a.is_compute]
 
 
 def test_the_last_step_timeline_records_each_compute_action_in_order():
-    for timeline, milliseconds, planned in run_on_ranks(2, recorded_timeline):
+    for rank, (timeline, milliseconds, waiting, planned) in enumerate(run_on_ranks(2, recorded_timeline)):
         assert [f"{kind}{mb}" for kind, mb, _, _ in timeline] == [action.split("@")[0] for action in planned]
         assert len(timeline) == 9  # F, I and W for each of 3 micro-batches
         ends = 0.0
         for _, _, start, end in timeline:
             assert ends <= start <= end <= milliseconds
             ends = end
+        # Waiting for transfers happens between compute actions: the two never overlap. Rank 1 waits at least
+        # for its first activation, which rank 0 sends only after its first forward.
+        compute = sum(end - start for _, _, start, end in timeline)
+        assert 0 <= waiting and compute + waiting <= milliseconds
+        if rank == 1:
+            assert waiting > 0
 
 
 def in_place_first_layers(rank, world, schedule, checkpoint):

@@ -175,7 +175,8 @@ void bind_pipeline(py::module_& module) {
       .def_property_readonly("partition_report", &pp::Pipeline::partition_report)
       .def_property_readonly("actions", &pp::Pipeline::actions)
       .def_property_readonly("last_step_timeline", &pp::Pipeline::last_step_timeline)
-      .def_property_readonly("last_step_milliseconds", &pp::Pipeline::last_step_milliseconds);
+      .def_property_readonly("last_step_milliseconds", &pp::Pipeline::last_step_milliseconds)
+      .def_property_readonly("last_step_waiting_milliseconds", &pp::Pipeline::last_step_waiting_milliseconds);
 }
 
 } // namespace torchpar::bindings

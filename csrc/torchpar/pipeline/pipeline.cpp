@@ -254,6 +254,15 @@ class Pipeline::StepRun {
   double milliseconds() const {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
   }
+  // What `blocking()` returns; the time it took counts as waiting.
+  template <typename Blocking>
+  auto waited(Blocking blocking) {
+    const double started = milliseconds();
+    auto result = blocking();
+    waiting_ms_ += milliseconds() - started;
+    return result;
+  }
+  double waiting_milliseconds() const { return waiting_ms_; }
   // The sum of the micro-batches' scaled losses: the batch's mean loss (last stage's rank only).
   const at::Tensor& loss() const { return loss_sum_; }
 
@@ -264,7 +273,7 @@ class Pipeline::StepRun {
     if (s == 0) {
       in = inputs_[mb];
     } else if (pipeline_.stage_rank(s - 1) != pipeline_.rank_) {
-      in = pipeline_.links_->receive_activations(s, mb);
+      in = waited([&] { return pipeline_.links_->receive_activations(s, mb); });
       received_[{s, mb}] = metas_of(in);
     } else {
       in = take(outputs_, {s - 1, mb}, "local activation");
@@ -287,7 +296,7 @@ class Pipeline::StepRun {
     if (s != last_) {
       if (pipeline_.stage_rank(s + 1) != pipeline_.rank_) {
         auto pending = take(arriving_gradients_, {s, mb}, "posted gradient receive");
-        gradients = pipeline_.links_->wait(pending);
+        gradients = waited([&] { return pipeline_.links_->wait(pending); });
       } else {
         gradients = take(input_gradients_, {s + 1, mb}, "local gradient");
       }
@@ -314,6 +323,7 @@ class Pipeline::StepRun {
   }
 
   const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  double waiting_ms_ = 0;
   Pipeline& pipeline_;
   const int microbatches_;
   const int last_;
@@ -335,11 +345,15 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
     for (const auto& action : actions_) {
       run.execute(action);
     }
-    links_->wait_sends();
+    run.waited([this] {
+      links_->wait_sends();
+      return 0;
+    });
     if (replica_gradients_) {
       replica_gradients_->finish();
     }
     step_milliseconds_ = run.milliseconds();
+    waiting_milliseconds_ = run.waiting_milliseconds();
   } catch (...) {
     abandon();
   }

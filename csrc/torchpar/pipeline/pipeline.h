@@ -64,6 +64,10 @@ class Pipeline {
   // (the loss broadcast excluded) — the measured counterpart of the simulator's timeline.
   const std::vector<TimedAction>& last_step_timeline() const { return timeline_; }
   double last_step_milliseconds() const { return step_milliseconds_; }
+  // The part of the last step this rank spent blocked on transfers: waiting for an activation or a
+  // gradient to arrive, and for its sends to complete at the end. What the step holds beyond this and
+  // the timeline's compute is host work: posting transfers, the schedule's own bookkeeping.
+  double last_step_waiting_milliseconds() const { return waiting_milliseconds_; }
 
  private:
   class StepRun;  // one step's state and its action switch
@@ -88,6 +92,7 @@ class Pipeline {
   std::vector<Action> actions_;
   std::vector<TimedAction> timeline_;
   double step_milliseconds_ = 0;
+  double waiting_milliseconds_ = 0;
   bool failed_ = false;
   std::vector<std::unique_ptr<PipelineStage>> stages_;  // this rank's, in increasing stage order
   std::unique_ptr<StageLinks> links_;

@@ -214,6 +214,12 @@ class Pipeline:
         """The last step's duration on this rank, up to its last send (the loss broadcast excluded)."""
         return self._engine.last_step_milliseconds
 
+    @property
+    def last_step_waiting_milliseconds(self) -> float:
+        """The part of the last step this rank spent blocked on transfers (activations and gradients to arrive,
+        its sends to complete); the rest beyond the timeline's compute is host work."""
+        return self._engine.last_step_waiting_milliseconds
+
 
 def hybrid_groups(stages: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Pipeline x data parallel over the world: ranks d*stages .. d*stages+stages-1 form replica d's
