@@ -308,8 +308,8 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
   const auto bounds = pipeline::stage_boundaries(balance);
   const auto roles = tensor > 1 ? tensor_parallel_roles(model, balance)
                                 : std::vector<TensorRole>(model.layers.size(), TensorRole::Whole);
-  const auto split = [](TensorRole role) { return role != TensorRole::Whole; };
-  TORCH_CHECK(tensor == 1 || std::any_of(roles.begin(), roles.end(), split),
+  const auto is_split = [](TensorRole role) { return role != TensorRole::Whole; };
+  TORCH_CHECK(tensor == 1 || std::any_of(roles.begin(), roles.end(), is_split),
               "no layer of the model splits over a tensor group (nn.Linear layers do)");
 
   // The stages' costs with `busy` of the world's ranks computing at once.
