@@ -103,7 +103,11 @@ def train_checkpoint_then_die(rank, directory, flags, consistency, victim):
     if rank == victim:
         kill_self()
     if victim >= service.num_workers:  # a server dies: wait until it did, so it cannot write at its end
+        # Only once every worker has pulled: a server killed under another worker's pull fails that pull.
+        touch(flags / f"pulled-{service.worker_index}")
         if service.worker_index == 0:
+            for worker in range(service.num_workers):
+                wait_for(flags / f"pulled-{worker}")
             touch(flags / "kill-server")
         wait_for(flags / "server-dying")
         time.sleep(0.5)
