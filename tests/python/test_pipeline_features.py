@@ -217,6 +217,36 @@ def test_the_last_step_timeline_records_each_compute_action_in_order():
             assert waiting > 0
 
 
+class SlowForward(nn.Module):
+    """The identity, after a sleep: a first stage that keeps the next one waiting."""
+
+    def forward(self, x):
+        time.sleep(SLOW_FORWARD_S)
+        return x
+
+
+SLOW_FORWARD_S = 0.05
+
+
+def step_behind_a_slow_stage(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(SlowForward(), nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5))
+    pipe = torchpar.pipeline.Pipeline(model, nn.functional.cross_entropy, schedule="gpipe", microbatches=3,
+                                      balance=[2, 2])
+    inputs, target = batch(12)
+    pipe.step(inputs, target)
+    compute = sum(t.end - t.start for t in pipe.last_step_timeline)
+    return pipe.last_step_milliseconds, pipe.last_step_waiting_milliseconds, compute
+
+
+def test_waiting_behind_a_slow_stage_counts_as_waiting_not_host_work():
+    # GPipe's last stage posts micro-batch k + 1's receive before running k, and that post waits for k's
+    # shapes: time the pipeline must count as waiting, or the simulator is taught host work that is not there.
+    step_ms, waiting_ms, compute_ms = run_on_ranks(2, step_behind_a_slow_stage)[1]
+    assert waiting_ms >= 0.8 * 3 * SLOW_FORWARD_S * 1e3, (step_ms, waiting_ms, compute_ms)
+    assert step_ms - waiting_ms - compute_ms < 0.2 * step_ms, (step_ms, waiting_ms, compute_ms)
+
+
 def in_place_first_layers(rank, world, schedule, checkpoint):
     torch.manual_seed(0)
     # Stage 1 (and, with split backward, every layer) starts with an in-place op on its input.

@@ -146,11 +146,15 @@ void StageLinks::read_header(int stage, int microbatch, Incoming& incoming) {
   last_received_[stage] = *incoming.metas;
 }
 
-void StageLinks::post_activations(int stage, int microbatch, int source) {
+void StageLinks::wait_for_previous_header(int stage, int microbatch) {
   auto previous = incoming_.find({stage, microbatch - 1});
   if (previous != incoming_.end()) {
     read_header(stage, microbatch - 1, previous->second);
   }
+}
+
+void StageLinks::post_activations(int stage, int microbatch, int source) {
+  wait_for_previous_header(stage, microbatch);
   Incoming incoming;
   incoming.source = source;
   incoming.header = at::empty({kHeaderSlots}, at::TensorOptions().dtype(at::kLong).device(device_));

@@ -61,6 +61,8 @@ class StageLinks {
   // increasing order); waits for the previous micro-batch's header if it has not arrived yet, since
   // its shapes are the guess for this one.
   void post_activations(int stage, int microbatch, int source);
+  // The blocking part of post_activations on its own, so a caller can count it as waiting.
+  void wait_for_previous_header(int stage, int microbatch);
   Tensors receive_activations(int stage, int microbatch);
 
   // `stage` is the stage whose output the gradients belong to (the receiver); one entry per
