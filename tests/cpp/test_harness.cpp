@@ -46,7 +46,8 @@ TEST_CASE("harness: a hung rank is killed at the deadline", "[harness]") {
   RankOptions options;
   options.deadline = std::chrono::seconds(5);
   const auto start = Clock::now();
-  const auto outcomes = launch_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup>) {
+  const auto outcomes = launch_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    pg->barrier()->wait();  // rank 1 leaves only once rank 0's group is connected
     if (rank == 0) {
       std::this_thread::sleep_for(std::chrono::hours(1));
     }
@@ -57,7 +58,10 @@ TEST_CASE("harness: a hung rank is killed at the deadline", "[harness]") {
 }
 
 TEST_CASE("harness: a failed CHECK or an exception on one rank fails the run", "[harness]") {
-  const auto outcomes = launch_ranks(3, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup>) {
+  const auto outcomes = launch_ranks(3, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    // Every rank's group is connected before any fails: a rank leaving while rank 0 still connects its
+    // group would fail rank 0 on its own (connection closed by peer), not by the harness.
+    pg->barrier()->wait();
     if (rank == 1) {
       CHECK(rank == 0); // does not throw: the harness must still see it
     }
