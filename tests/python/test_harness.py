@@ -19,12 +19,17 @@ def crashes(rank, world):
     dist.barrier()
 
 
+# Ranks meet first where one fails or leaves early: one still connecting its group would fail on its own.
+
+
 def hangs(rank, world):
+    dist.barrier()
     if rank == 0:
         time.sleep(3600)
 
 
 def raises(rank, world):
+    dist.barrier()
     assert rank != 2, "rank two disagrees"
 
 
