@@ -20,8 +20,6 @@ def crashes(rank, world):
 
 
 # Ranks meet first where one fails or leaves early: one still connecting its group would fail on its own.
-
-
 def hangs(rank, world):
     dist.barrier()
     if rank == 0:
