@@ -1,6 +1,6 @@
 """Runs a test function on N real ranks: fresh processes joined into one process group.
 
-    def body(rank, world):            # module level, so spawned processes can import it
+    def body(rank, world):            # module level, so the ranks can import it
         t = torch.ones(2); dist.all_reduce(t); assert t.tolist() == [world, world]
         return rank
 

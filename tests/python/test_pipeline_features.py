@@ -217,15 +217,15 @@ def test_the_last_step_timeline_records_each_compute_action_in_order():
             assert waiting > 0
 
 
+SLOW_FORWARD_S = 0.05
+
+
 class SlowForward(nn.Module):
     """The identity, after a sleep: a first stage that keeps the next one waiting."""
 
     def forward(self, x):
         time.sleep(SLOW_FORWARD_S)
         return x
-
-
-SLOW_FORWARD_S = 0.05
 
 
 def step_behind_a_slow_stage(rank, world):

@@ -220,9 +220,10 @@ class Pipeline::StepRun {
       case ActionType::RecvActivation: {
         // A schedule may post micro-batch mb's receive before running mb - 1 (GPipe's last stage): the
         // wait for mb - 1's header then happens here, and is waiting, not host work.
-        const double started = milliseconds();
-        links.wait_for_previous_header(s, mb);
-        waiting_ms_ += milliseconds() - started;
+        waited([&] {
+          links.wait_for_previous_header(s, mb);
+          return 0;
+        });
         links.post_activations(s, mb, pipeline_.stage_rank(s - 1));
         break;
       }
@@ -262,7 +263,7 @@ class Pipeline::StepRun {
   }
   // What `blocking()` returns; the time it took counts as waiting.
   template <typename Blocking>
-  auto waited(Blocking blocking) {
+  auto waited(Blocking blocking) -> decltype(blocking()) {
     const double started = milliseconds();
     auto result = blocking();
     waiting_ms_ += milliseconds() - started;
