@@ -1,6 +1,7 @@
 // ps/channel: one peer of the parameter service over a process group's send/recv (2 forked ranks on
 // Gloo). Payload sizes cover every path: none, inline in the frame, one past it, and large sizes the
-// first time (a fresh receive) and again (a slot kept posted for that size).
+// first time (a fresh receive) and again (a slot kept posted for that size) — through Gloo, through
+// the same-host payload rings, and through both when a ring has no room for some.
 #include "catch_with_torch.h"
 
 #include <torchpar/ps/channel.h>
@@ -58,33 +59,74 @@ std::vector<uint8_t> pattern(size_t bytes, int64_t seed) {
 
 const std::vector<size_t> kSizes = {0, 10, ps::Frame::kInlineBytes, ps::Frame::kInlineBytes + 1, 100000, 100000,
                                     size_t{3} << 20, 100000, 7, size_t{3} << 20, size_t{3} << 20};
+constexpr int64_t kLargePayloads = 7;  // the sizes past the frame's inline bytes
+
+// Each rank sends every size to the other and checks what it received; returns how many payloads its
+// end sent through its ring. The rings are offered with the first message and accepted with the
+// second, so with `rings_first` both ranks exchange those two before the sizes.
+// Each call takes its own tags: a channel's receives still posted when it goes are not the next one's.
+int64_t exchange_every_size(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t ring_bytes,
+                            bool rings_first) {
+  static int calls = 0;
+  const int tags = 2 * ps::kTagsPerDirection * calls++;
+  Inbox inbox;
+  const bool requester = rank == 0;
+  ps::Channel channel(
+      pg, 1 - rank, tags + (requester ? ps::kRequestTag : ps::kReplyTag),
+      tags + (requester ? ps::kReplyTag : ps::kRequestTag),
+      [&](ps::Message&& message) { return inbox.on_message(std::move(message)); },
+      [&](const std::string& reason) { inbox.on_failure(reason); }, ring_bytes);
+  size_t prelude = 0;
+  if (rings_first) {
+    for (; prelude < 2; ++prelude) {
+      channel.send(ps::make_message(ps::MessageKind::Ok, -1, {}));
+      REQUIRE(inbox.wait([&] { return inbox.messages.size() > prelude || !inbox.failures.empty(); }));
+    }
+  }
+  for (size_t i = 0; i < kSizes.size(); ++i) {
+    channel.send(ps::make_message(ps::MessageKind::Push, static_cast<int64_t>(i) + 100 * rank,
+                                  pattern(kSizes[i], static_cast<int64_t>(i) + rank)));
+  }
+  channel.send(ps::make_message(ps::MessageKind::Bye, -1, {}));
+  REQUIRE(inbox.wait([&] { return inbox.done || !inbox.failures.empty(); }));
+  CHECK(inbox.failures.empty());
+  REQUIRE(inbox.messages.size() == prelude + kSizes.size() + 1);
+  const int peer = 1 - rank;
+  for (size_t i = 0; i < kSizes.size(); ++i) {
+    INFO("message " << i << " of " << kSizes[i] << " bytes");
+    const auto& received = inbox.messages[prelude + i];
+    CHECK(received.kind == ps::MessageKind::Push);
+    CHECK(received.request_id == static_cast<int64_t>(i) + 100 * peer);
+    CHECK(received.bytes == pattern(kSizes[i], static_cast<int64_t>(i) + peer));
+  }
+  pg->barrier()->wait();  // both received everything before either channel goes
+  return channel.payloads_sent_through_ring();
+}
 
 } // namespace
 
 TEST_CASE("ps channel: messages arrive whole and in order, whatever their size, in both directions") {
   run_on_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    Inbox inbox;
-    const bool requester = rank == 0;
-    ps::Channel channel(
-        pg, 1 - rank, requester ? ps::kRequestTag : ps::kReplyTag, requester ? ps::kReplyTag : ps::kRequestTag,
-        [&](ps::Message&& message) { return inbox.on_message(std::move(message)); },
-        [&](const std::string& reason) { inbox.on_failure(reason); });
-    for (size_t i = 0; i < kSizes.size(); ++i) {
-      channel.send(ps::make_message(ps::MessageKind::Push, static_cast<int64_t>(i) + 100 * rank,
-                                    pattern(kSizes[i], static_cast<int64_t>(i) + rank)));
+    {
+      INFO("through Gloo (no ring)");
+      CHECK(exchange_every_size(rank, pg, 0, true) == 0);
     }
-    channel.send(ps::make_message(ps::MessageKind::Bye, -1, {}));
-    REQUIRE(inbox.wait([&] { return inbox.done || !inbox.failures.empty(); }));
-    CHECK(inbox.failures.empty());
-    REQUIRE(inbox.messages.size() == kSizes.size() + 1);
-    const int peer = 1 - rank;
-    for (size_t i = 0; i < kSizes.size(); ++i) {
-      INFO("message " << i << " of " << kSizes[i] << " bytes");
-      CHECK(inbox.messages[i].kind == ps::MessageKind::Push);
-      CHECK(inbox.messages[i].request_id == static_cast<int64_t>(i) + 100 * peer);
-      CHECK(inbox.messages[i].bytes == pattern(kSizes[i], static_cast<int64_t>(i) + peer));
+    {
+      INFO("sent while the ring's offer is still unanswered (some through Gloo, later ones maybe the ring)");
+      exchange_every_size(rank, pg, 16 << 20, false);
     }
-    pg->barrier()->wait();  // both received everything before either channel goes
+    {
+      INFO("through the same-host rings");
+      CHECK(exchange_every_size(rank, pg, 16 << 20, true) == kLargePayloads);
+    }
+    {
+      INFO("through a ring too small for some: those through Gloo, in order with the others");
+      // 200 000 bytes hold the 16 KB and 100 000-byte payloads when the receiver has read the ones
+      // before (it may not have yet), never a 3 MiB one.
+      const auto through_ring = exchange_every_size(rank, pg, 200000, true);
+      CHECK(through_ring >= 1);
+      CHECK(through_ring <= 4);
+    }
   });
 }
 

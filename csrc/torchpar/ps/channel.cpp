@@ -7,6 +7,9 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <c10/util/Logging.h>
+
+#include <cstdlib>
 #include <cstring>
 #include <set>
 
@@ -35,7 +38,38 @@ int slot_of(std::vector<int64_t>& sizes, std::set<int64_t>& seen_once, int64_t b
   return static_cast<int>(sizes.size()) - 1;
 }
 
+std::vector<uint8_t> encode_offer(const RingOffer& offer) {
+  WireWriter writer;
+  writer.put_string(offer.host);
+  writer.put<int64_t>(offer.pid);
+  writer.put<int64_t>(offer.fd);
+  writer.put<uint64_t>(offer.token);
+  writer.put<int64_t>(offer.capacity);
+  return writer.release();
+}
+
+RingOffer decode_offer(const uint8_t* bytes) {
+  WireReader reader(bytes, Frame::kOfferBytes);
+  RingOffer offer;
+  offer.host = reader.get_string("ring host");
+  offer.pid = reader.get<int64_t>("ring pid");
+  offer.fd = reader.get<int64_t>("ring descriptor");
+  offer.token = reader.get<uint64_t>("ring token");
+  offer.capacity = reader.get<int64_t>("ring capacity");
+  return offer;
+}
+
 } // namespace
+
+int64_t Channel::default_ring_bytes() {
+  const char* text = std::getenv("TORCHPAR_PS_RING_BYTES");
+  if (text == nullptr || *text == '\0') return int64_t{16} << 20;
+  char* end = nullptr;
+  const long long bytes = std::strtoll(text, &end, 10);
+  TORCH_CHECK(*end == '\0' && bytes >= 0, "TORCHPAR_PS_RING_BYTES=", text,
+              ": expected a number of bytes (0 sends every payload through Gloo)");
+  return bytes;
+}
 
 Message make_message(MessageKind kind, int64_t request_id, std::vector<uint8_t> payload) {
   Message message;
@@ -49,13 +83,20 @@ Message make_message(MessageKind kind, int64_t request_id, std::vector<uint8_t> 
 }
 
 Channel::Channel(c10::intrusive_ptr<c10d::ProcessGroup> group, int peer, int outgoing_tag, int incoming_tag,
-                 OnMessage on_message, OnFailure on_failure)
+                 OnMessage on_message, OnFailure on_failure, int64_t ring_bytes)
     : group_(std::move(group)),
       peer_(peer),
       outgoing_tag_(outgoing_tag),
       incoming_tag_(incoming_tag),
       on_message_(std::move(on_message)),
       on_failure_(std::move(on_failure)) {
+  if (ring_bytes > 0) {
+    try {
+      outgoing_ring_ = std::make_unique<OutgoingRing>(ring_bytes);
+    } catch (const std::exception& error) {
+      LOG(WARNING) << "torchpar.ps: payloads to rank " << peer_ << " go through Gloo: " << message_of(error);
+    }
+  }
   waiter_ = std::thread([this] { wait_loop(); });
   receiver_ = std::thread([this] { receive_loop(); });
 }
@@ -82,7 +123,6 @@ Channel::~Channel() {
 void Channel::send(const Message& message) {
   std::vector<at::Tensor> frame{at::empty({Frame::kBytes}, at::kByte)};
   auto* bytes = frame[0].data_ptr<uint8_t>();
-  encode_frame(message.frame, reinterpret_cast<int64_t*>(bytes));
   const bool inline_payload = message.frame.payload_bytes <= Frame::kInlineBytes;
   if (inline_payload && message.payload.defined()) {
     std::memcpy(bytes + Frame::kFields * 8, message.payload.const_data_ptr(), message.frame.payload_bytes);
@@ -94,8 +134,11 @@ void Channel::send(const Message& message) {
       return;
     }
     try {
+      Frame header = message.frame;
+      attach_ring_fields(header, bytes, message);
+      encode_frame(header, reinterpret_cast<int64_t*>(bytes));
       in_flight_.push_back(group_->send(frame, peer_, outgoing_tag_));
-      if (!inline_payload) {
+      if (!inline_payload && header.ring_position < 0) {
         bool added = false;
         const int slot = slot_of(sent_slot_sizes_, sent_sizes_seen_, message.frame.payload_bytes, &added);
         const int tag = outgoing_tag_ + (slot < 0 || added ? kFreshPayloadTag : kFirstSlotTag + slot);
@@ -112,6 +155,56 @@ void Channel::send(const Message& message) {
     if (unreported_failure_.empty()) unreported_failure_ = failure;
   }
   posted_.notify_one();
+}
+
+void Channel::attach_ring_fields(Frame& frame, uint8_t* bytes, const Message& message) {
+  frame.ring_flags = answer_due_;
+  answer_due_ = 0;
+  if (outgoing_ring_ && !ring_offered_) {
+    ring_offered_ = true;
+    const auto offer = encode_offer(outgoing_ring_->offer());
+    if (static_cast<int64_t>(offer.size()) <= Frame::kOfferBytes) {
+      std::memcpy(bytes + Frame::kBytes - Frame::kOfferBytes, offer.data(), offer.size());
+      frame.ring_flags |= Frame::kRingOffered;
+    }
+  }
+  if (peer_mapped_ring_ && message.frame.payload_bytes > Frame::kInlineBytes) {
+    // A ring without room now sends this payload through Gloo rather than wait for the peer.
+    if (const auto position = outgoing_ring_->write(message.payload.const_data_ptr(), message.frame.payload_bytes)) {
+      frame.ring_position = static_cast<int64_t>(*position);
+      ++payloads_through_ring_;
+    }
+  }
+}
+
+void Channel::read_ring_fields(const Frame& frame, const uint8_t* bytes) {
+  if (frame.ring_flags & Frame::kRingOffered) {
+    std::string why_not;
+    try {
+      incoming_ring_ = IncomingRing::open(decode_offer(bytes + Frame::kBytes - Frame::kOfferBytes), &why_not);
+    } catch (const std::exception& error) {
+      why_not = "its offer is malformed: " + message_of(error);
+    }
+    if (!incoming_ring_) {
+      LOG(INFO) << "torchpar.ps: payloads from rank " << peer_ << " keep going through Gloo: " << why_not;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    answer_due_ = incoming_ring_ ? Frame::kRingAccepted : Frame::kRingDeclined;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if ((frame.ring_flags & Frame::kRingAccepted) && outgoing_ring_ && ring_offered_) {
+    peer_mapped_ring_ = true;
+    outgoing_ring_->close_descriptor();
+  }
+  if (frame.ring_flags & Frame::kRingDeclined) {
+    peer_mapped_ring_ = false;
+    outgoing_ring_.reset();
+  }
+}
+
+int64_t Channel::payloads_sent_through_ring() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return payloads_through_ring_;
 }
 
 void Channel::fail(const std::string& reason) {
@@ -205,8 +298,17 @@ void Channel::receive_loop() {
     try {
       std::vector<at::Tensor> frame{at::empty({Frame::kBytes}, at::kByte)};
       receive(frame, incoming_tag_);
-      message.frame = decode_frame(reinterpret_cast<const int64_t*>(frame[0].const_data_ptr()));
-      if (message.frame.payload_bytes > Frame::kInlineBytes) {
+      const auto* bytes = frame[0].const_data_ptr<uint8_t>();
+      message.frame = decode_frame(reinterpret_cast<const int64_t*>(bytes));
+      read_ring_fields(message.frame, bytes);
+      if (message.frame.ring_position >= 0) {
+        TORCH_CHECK(incoming_ring_ && message.frame.payload_bytes > Frame::kInlineBytes, "torchpar.ps: rank ", peer_,
+                    " sent a payload of ", message.frame.payload_bytes,
+                    " bytes through a shared-memory ring this end has not mapped");
+        message.payload = at::empty({message.frame.payload_bytes}, at::kByte);
+        incoming_ring_->read(static_cast<uint64_t>(message.frame.ring_position),
+                             static_cast<size_t>(message.frame.payload_bytes), message.payload.data_ptr());
+      } else if (message.frame.payload_bytes > Frame::kInlineBytes) {
         message.payload = receive_payload(message.frame.payload_bytes);
       } else if (message.frame.payload_bytes > 0) {
         message.payload = frame[0].narrow(0, Frame::kFields * 8, message.frame.payload_bytes);

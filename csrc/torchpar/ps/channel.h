@@ -2,7 +2,9 @@
 // One peer of the parameter service, over the process group's point-to-point ops. send() posts the
 // transfers at once from the calling thread (in call order); a waiter thread then waits for them to
 // complete, and a receiver thread receives the peer's messages and hands each to a callback. A
-// broken connection (the peer died) reaches the failure callback once.
+// broken connection (the peer died) reaches the failure callback once. Between two processes on one
+// host, large payloads go through shared-memory rings (payload_ring.h) once both ends have mapped them.
+#include <torchpar/ps/payload_ring.h>
 #include <torchpar/ps/wire_format.h>
 
 #include <ATen/core/Tensor.h>
@@ -12,6 +14,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -41,14 +44,20 @@ class Channel {
   using OnMessage = std::function<bool(Message&&)>;
   using OnFailure = std::function<void(const std::string&)>;
 
+  // `ring_bytes`: the capacity of this end's outgoing payload ring; 0 sends every payload through Gloo.
   Channel(c10::intrusive_ptr<c10d::ProcessGroup> group, int peer, int outgoing_tag, int incoming_tag,
-          OnMessage on_message, OnFailure on_failure);
+          OnMessage on_message, OnFailure on_failure, int64_t ring_bytes = default_ring_bytes());
   // Waits for what was sent (at most the group's timeout each), then stops; a receive still
   // waiting is abandoned.
   ~Channel();
 
   void send(const Message& message);
   int peer() const { return peer_; }
+  // Payloads sent through this end's ring so far.
+  int64_t payloads_sent_through_ring() const;
+
+  // TORCHPAR_PS_RING_BYTES, else 16 MiB.
+  static int64_t default_ring_bytes();
 
  private:
   void wait_loop();
@@ -57,6 +66,8 @@ class Channel {
   at::Tensor receive_payload(int64_t bytes);
   void post_slot_receive(size_t slot);
   void fail(const std::string& reason);
+  void attach_ring_fields(Frame& frame, uint8_t* bytes, const Message& message);
+  void read_ring_fields(const Frame& frame, const uint8_t* bytes);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int peer_;
@@ -65,7 +76,7 @@ class Channel {
   OnMessage on_message_;
   OnFailure on_failure_;
 
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::condition_variable posted_;
   std::deque<c10::intrusive_ptr<c10d::Work>> in_flight_; // sends posted, not yet waited for
   bool stopping_ = false;
@@ -81,6 +92,14 @@ class Channel {
   std::set<int64_t> sent_sizes_seen_;
   std::set<int64_t> received_sizes_seen_;
   std::vector<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> slot_receives_;
+  // Same-host payloads: this end's ring (until the peer declines it), the peer's once mapped (only the
+  // receiver thread touches it), and what the next frame must say about them.
+  std::unique_ptr<OutgoingRing> outgoing_ring_;
+  bool ring_offered_ = false;
+  bool peer_mapped_ring_ = false;
+  std::unique_ptr<IncomingRing> incoming_ring_;
+  int64_t answer_due_ = 0;  // Frame::kRingAccepted or kRingDeclined, to say in the next frame sent
+  int64_t payloads_through_ring_ = 0;
   std::thread waiter_;
   std::thread receiver_;
 };

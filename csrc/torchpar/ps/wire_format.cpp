@@ -28,6 +28,8 @@ void encode_frame(const Frame& frame, int64_t* fields) {
   fields[1] = static_cast<int64_t>(frame.kind);
   fields[2] = frame.request_id;
   fields[3] = frame.payload_bytes;
+  fields[4] = frame.ring_position;
+  fields[5] = frame.ring_flags;
 }
 
 Frame decode_frame(const int64_t* fields) {
@@ -37,7 +39,9 @@ Frame decode_frame(const int64_t* fields) {
               " from the peer, this process speaks version ", kWireVersion);
   TORCH_CHECK(fields[3] >= 0 && fields[3] < (int64_t{1} << 40), "torchpar.ps: message announces ", fields[3],
               " payload bytes");
-  return Frame{static_cast<MessageKind>(fields[1]), fields[2], fields[3]};
+  TORCH_CHECK(fields[4] >= -1 && (fields[5] & ~int64_t{7}) == 0, "torchpar.ps: a frame with ring position ",
+              fields[4], " and ring flags ", fields[5]);
+  return Frame{static_cast<MessageKind>(fields[1]), fields[2], fields[3], fields[4], fields[5]};
 }
 
 void WireWriter::append(const void* data, size_t bytes) {

@@ -12,7 +12,7 @@
 namespace torchpar::ps {
 
 // Bumped whenever a field changes; peers of another version are refused with both versions named.
-constexpr int64_t kWireVersion = 2; // 2: dense items carry the table's shape
+constexpr int64_t kWireVersion = 3; // 2: dense items carry the table's shape; 3: payload rings
 constexpr int64_t kWireMagic = 0x54505053; // "TPPS"
 
 enum class MessageKind : int64_t {
@@ -33,15 +33,24 @@ enum class MessageKind : int64_t {
 };
 const char* kind_name(MessageKind kind);
 
-// The first transfer of every message, of fixed size so one receive always reads it: four int64
-// fields, then the payload itself when it fits (most requests), else a second transfer carries it.
+// The first transfer of every message, of fixed size so one receive always reads it: six int64
+// fields, then the payload itself when it fits (most requests), else a second transfer carries it,
+// through Gloo or, between processes on one host, the sender's shared-memory ring (payload_ring.h).
+// The frame's last kOfferBytes carry the sender's ring offer, once per channel.
 struct Frame {
-  static constexpr int64_t kFields = 4;
+  static constexpr int64_t kFields = 6;
   static constexpr int64_t kBytes = 16384;
-  static constexpr int64_t kInlineBytes = kBytes - kFields * 8;
+  static constexpr int64_t kOfferBytes = 512;
+  static constexpr int64_t kInlineBytes = kBytes - kFields * 8 - kOfferBytes;
+  // ring_flags: what a frame says about the payload rings of its channel.
+  static constexpr int64_t kRingOffered = 1;   // the offer of the sender's ring is in the frame's last bytes
+  static constexpr int64_t kRingAccepted = 2;  // the sender mapped the receiver's ring: payloads may go there
+  static constexpr int64_t kRingDeclined = 4;  // the sender could not map it: payloads keep going through Gloo
   MessageKind kind = MessageKind::Ok;
   int64_t request_id = 0;
   int64_t payload_bytes = 0;
+  int64_t ring_position = -1;  // where the payload starts in the sender's ring; -1: not in the ring
+  int64_t ring_flags = 0;
 };
 void encode_frame(const Frame& frame, int64_t* fields);
 // Throws when the magic or version is wrong: the peer speaks another protocol.
