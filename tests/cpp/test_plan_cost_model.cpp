@@ -151,6 +151,19 @@ TEST_CASE("plan: a parameter server's step is the slower of a worker and a serve
   auto setup = batch_of(8);
   setup.optimizer_ms_per_byte = 0.5 / kMiB;
   CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps).step_ms == Approx(20.2));
+
+  // Every rank on one host: the 4 MiB payloads go through the rings, each behind a 16 KiB frame
+  // (0.1 + 1/64 ms) with a copy in and out (2 x 1 ms): 2.1156 ms a transfer instead of 4.1. A worker's
+  // round trip: 2 x 2.1156 + 2 + 2 + 1 = 9.23 ms, its step 13.23 (now the bottleneck); the server:
+  // 2 x (2 x 2.1156 + 1) + 2 = 12.46 ms. Both ends map the pages of both rings of each channel that the
+  // 4 MiB payloads reach: the server 2 x 8 MiB more, the worker 8.
+  net.ps_ring_bytes = 64 * kMiB;
+  const auto one_host = plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps);
+  CHECK(one_host.step_ms == Approx(13.23125));
+  CHECK(one_host.memory_per_rank == (28 + 2 * 8) * kMiB);
+  net.ps_ring_bytes = 2 * kMiB;  // payloads larger than the ring go through Gloo
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps).step_ms == Approx(20.2));
+
   ps.world = 4;  // 3 workers of 8 / 3 samples do not divide
   CHECK_THROWS_WITH(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps),
                     Contains("does not divide into 3 workers"));

@@ -55,7 +55,8 @@ void bind_plan(py::module_& module) {
       .def_readwrite("send_recv", &plan::NetworkProfile::send_recv)
       .def_readwrite("copy", &plan::NetworkProfile::copy)
       .def_readwrite("all_gather", &plan::NetworkProfile::all_gather)
-      .def_readwrite("reduce_scatter", &plan::NetworkProfile::reduce_scatter);
+      .def_readwrite("reduce_scatter", &plan::NetworkProfile::reduce_scatter)
+      .def_readwrite("ps_ring_bytes", &plan::NetworkProfile::ps_ring_bytes);
   py::class_<plan::Calibration>(m, "Calibration")
       .def(py::init<>())
       .def_readwrite("compute_scale", &plan::Calibration::compute_scale)

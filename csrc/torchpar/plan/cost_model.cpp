@@ -3,6 +3,7 @@
 #include <torchpar/common/bucket_assignment.h>
 #include <torchpar/pipeline/partition.h>
 #include <torchpar/pipeline/simulator.h>
+#include <torchpar/ps/wire_format.h>
 
 #include <c10/util/Exception.h>
 
@@ -420,13 +421,27 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
     touched += rows;
   }
   const auto parameters = static_cast<double>(dense.parameter_bytes());
+  // Payloads larger than a frame's between ranks of one host go through the channel's ring, behind a
+  // fixed-size frame that still goes through Gloo, with a copy in and a copy out.
+  const auto through_ring = [&](double bytes) {
+    return bytes > static_cast<double>(ps::Frame::kInlineBytes) && bytes <= static_cast<double>(network.ps_ring_bytes);
+  };
+  const auto transfer_ms = [&](double bytes) {
+    return through_ring(bytes) ? network.send_recv.milliseconds(static_cast<double>(ps::Frame::kBytes)) +
+                                     2 * network.copy.ms_per_byte * bytes
+                               : network.send_recv.milliseconds(bytes);
+  };
+  // A server's receive of `bytes` and its answer of as many.
+  const auto both_ways_ms = [&](double bytes) {
+    return through_ring(bytes) ? 2 * transfer_ms(bytes) : network.send_recv.milliseconds(2 * bytes);
+  };
   // A bucket's round trip: the worker copies its gradients into the push, each server (answering its
   // part in parallel with the others) applies the optimizer to it and copies its values into the
   // reply, which the worker copies into its parameters (under BSP the server applies once every worker
   // pushed: the slowest worker's round trip, which the workers' symmetry makes this one).
   const auto round_trip_ms = [&](double bytes) {
     const double part = bytes / servers;
-    return 2 * network.send_recv.milliseconds(part) + network.copy.ms_per_byte * (2 * bytes + part) +
+    return 2 * transfer_ms(part) + network.copy.ms_per_byte * (2 * bytes + part) +
            setup.optimizer_ms_per_byte * part + calibration.ps_ms_per_byte * bytes;
   };
   const auto step = overlapped_step(dense, samples, {static_cast<size_t>(configuration.bucket_bytes)}, calibration,
@@ -439,7 +454,7 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
   const double share = parameters / servers;
   const double rows_share = touched / servers;
   const double server_ms =
-      workers * (network.send_recv.milliseconds(2 * share) + network.send_recv.milliseconds(2 * rows_share) +
+      workers * (both_ways_ms(share) + both_ways_ms(rows_share) +
                  (network.copy.ms_per_byte + calibration.ps_ms_per_byte) * (share + rows_share)) +
       setup.optimizer_ms_per_byte * (share * (configuration.synchronous ? 1 : workers) + rows_share * workers);
   const double worker_ms = step.forward_ms + step.finish_ms + rows_ms;
@@ -452,13 +467,18 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
   // values land in and the replies (and of the rows it touched, the rows, their gradients and the
   // reply); a server its share, the optimizer's state, each worker's push and the round's copy of it,
   // the workers' mean, and Adam's temporaries — and its part of the tables with their state (every row
-  // some batch touches, at most the whole table).
-  const auto worker_memory = static_cast<int64_t>(4 * parameters + 3 * touched) +
+  // some batch touches, at most the whole table). Between ranks of one host both ends also map the
+  // pages of both rings of each channel that the payloads in flight touched (every bucket at once, at
+  // most the ring).
+  const auto ring_pages = [&](double bytes) { return through_ring(bytes) ? 2 * bytes : 0.0; };
+  const auto worker_memory = static_cast<int64_t>(4 * parameters + 3 * touched +
+                                                  servers * ring_pages((parameters + touched) / servers)) +
                              activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
   const double optimizer_temporaries = setup.optimizer_state_factor >= 2 ? 2 : 0;
   const auto server_memory = static_cast<int64_t>(
       share * (1 + setup.optimizer_state_factor + 2 * workers + (workers > 1) + optimizer_temporaries) +
-      sparse_table / servers * (1 + setup.optimizer_state_factor) + 2 * workers * rows_share);
+      sparse_table / servers * (1 + setup.optimizer_state_factor) + 2 * workers * rows_share +
+      workers * ring_pages(share + rows_share));
   prediction.memory_per_rank = std::max(worker_memory, server_memory);
   prediction.bytes_per_step = static_cast<int64_t>(std::max(2 * (parameters + touched),
                                                             2 * (share + rows_share) * workers));

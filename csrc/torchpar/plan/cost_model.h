@@ -67,6 +67,9 @@ struct NetworkProfile {
   LinkCost copy;
   LinkCost all_gather;
   LinkCost reduce_scatter;
+  // Every rank on one host: the parameter server's payloads up to this many bytes go through its
+  // shared-memory rings (ps/payload_ring.h: a Gloo frame, a copy in and a copy out); 0: through Gloo.
+  int64_t ps_ring_bytes = 0;
 };
 
 // What the model learns from measured runs (plan --verify), applied to every prediction:

@@ -63,7 +63,7 @@ RingOffer decode_offer(const uint8_t* bytes) {
 
 int64_t Channel::default_ring_bytes() {
   const char* text = std::getenv("TORCHPAR_PS_RING_BYTES");
-  if (text == nullptr || *text == '\0') return int64_t{16} << 20;
+  if (text == nullptr || *text == '\0') return int64_t{64} << 20;
   char* end = nullptr;
   const long long bytes = std::strtoll(text, &end, 10);
   TORCH_CHECK(*end == '\0' && bytes >= 0, "TORCHPAR_PS_RING_BYTES=", text,

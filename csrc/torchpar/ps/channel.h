@@ -56,7 +56,7 @@ class Channel {
   // Payloads sent through this end's ring so far.
   int64_t payloads_sent_through_ring() const;
 
-  // TORCHPAR_PS_RING_BYTES, else 16 MiB.
+  // TORCHPAR_PS_RING_BYTES, else 64 MiB.
   static int64_t default_ring_bytes();
 
  private:

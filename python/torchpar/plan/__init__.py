@@ -70,7 +70,7 @@ def measure_model_pass(model: Model, batch: int, group: Optional[dist.ProcessGro
 
 
 def measure_network(group: Optional[dist.ProcessGroup] = None,
-                    sizes_bytes: Sequence[int] = (4 << 10, 64 << 10, 256 << 10, 4 << 20), repeats: int = 11):
+                    sizes_bytes: Sequence[int] = (4 << 10, 64 << 10, 256 << 10, 4 << 20), repeats: int = 25):
     """α + β · bytes of all-reduce, all-gather, reduce-scatter and a transfer between two ranks over `group`,
     and of a memory copy on every rank at once (every rank calls it)."""
     return _engine.measure_network(group if group is not None else dist.group.WORLD, list(sizes_bytes), repeats)

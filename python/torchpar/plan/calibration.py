@@ -91,6 +91,7 @@ def sample_to_json(sample) -> dict:
         layers=[{field: getattr(layer, field) for field in _LAYER_FIELDS} for layer in sample.model.layers],
         network={name: _link(getattr(sample.network, name))
                  for name in ("all_reduce", "send_recv", "copy", "all_gather", "reduce_scatter")},
+        ps_ring_bytes=sample.network.ps_ring_bytes,
         setup=dict(batch=sample.setup.batch, optimizer_state_factor=sample.setup.optimizer_state_factor,
                    optimizer_ms_per_byte=sample.setup.optimizer_ms_per_byte),
         configuration=configuration_fields(configuration))
@@ -118,6 +119,8 @@ def sample_from_json(fields: dict):
     network = _engine.NetworkProfile()
     for name, values in fields["network"].items():
         setattr(network, name, _link_from(values))
+    # Samples kept before the rings existed measured the parameter server through Gloo alone.
+    network.ps_ring_bytes = fields.get("ps_ring_bytes", 0)
     sample.network = network
     setup = _engine.TrainingSetup()
     for name, value in fields["setup"].items():
