@@ -28,7 +28,7 @@ std::unique_ptr<ps::IncomingRing> open_or_fail(const ps::RingOffer& offer) {
 
 } // namespace
 
-TEST_CASE("ps payload ring: payloads come out as they went in; one sent into an empty ring starts at its beginning") {
+TEST_CASE("ps payload ring: payloads come out as they went in, and one sent into an empty ring starts at its beginning") {
   ps::OutgoingRing outgoing(4096);
   REQUIRE(outgoing.capacity() == 4096);
   auto incoming = open_or_fail(outgoing.offer());

@@ -3,6 +3,7 @@
 #include <torchpar/common/error_message.h>
 #include <torchpar/common/hash.h>
 #include <torchpar/ps/messages.h>
+#include <torchpar/ps/row_ids.h>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -12,32 +13,9 @@
 
 #include <array>
 #include <cstring>
-#include <unordered_map>
 
 namespace torchpar::ps {
 namespace {
-
-// Distinct ids in first-seen order and, per position of `ids`, the index of its id among them.
-struct DistinctIds {
-  std::vector<int64_t> ids;
-  at::Tensor inverse;
-};
-
-DistinctIds distinct_ids(const at::Tensor& ids) {
-  DistinctIds result;
-  const auto flat = ids.contiguous().view(-1);
-  const auto* id = flat.data_ptr<int64_t>();
-  result.inverse = at::empty({flat.numel()}, at::kLong);
-  auto* inverse = result.inverse.data_ptr<int64_t>();
-  std::unordered_map<int64_t, int64_t> index_of;
-  index_of.reserve(flat.numel());
-  for (int64_t i = 0; i < flat.numel(); ++i) {
-    auto [entry, created] = index_of.try_emplace(id[i], static_cast<int64_t>(result.ids.size()));
-    if (created) result.ids.push_back(id[i]);
-    inverse[i] = entry->second;
-  }
-  return result;
-}
 
 const uint8_t* bytes_of(const at::Tensor& tensor) { return static_cast<const uint8_t*>(tensor.const_data_ptr()); }
 
@@ -388,8 +366,8 @@ Future Client::rows_operation(MessageKind kind, const std::vector<int>& tables, 
     TORCH_CHECK(ids[i].defined() && ids[i].scalar_type() == at::kLong, "torchpar.ps: ", operation, " of table '",
                 t.name, "': ids must be int64, not ",
                 ids[i].defined() ? c10::toString(ids[i].scalar_type()) : "undefined");
-    auto cpu_ids = ids[i].cpu();
-    distinct.push_back(distinct_ids(cpu_ids));
+    const auto cpu_ids = ids[i].cpu().contiguous();
+    distinct.push_back(distinct_ids(cpu_ids.const_data_ptr<int64_t>(), cpu_ids.numel()));
     for (int64_t id : distinct.back().ids) {
       TORCH_CHECK(id >= 0 && id < t.num_rows, "torchpar.ps: ", operation, " of table '", t.name, "': row id ", id,
                   " is out of range [0, ", t.num_rows, ")");
@@ -406,9 +384,7 @@ Future Client::rows_operation(MessageKind kind, const std::vector<int>& tables, 
       TORCH_CHECK(grad.scalar_type() == t.dtype, "torchpar.ps: ", operation, " to table '", t.name,
                   "': gradient dtype ", c10::toString(grad.scalar_type()), ", the table holds ",
                   c10::toString(t.dtype));
-      auto summed = at::zeros({count, t.dim}, grad.options().device(at::kCPU));
-      summed.index_add_(0, distinct.back().inverse, grad.detach().cpu().reshape({-1, t.dim}));
-      summed_grads.push_back(summed);
+      summed_grads.push_back(sum_rows(grad.detach().cpu().reshape({-1, t.dim}), distinct.back().inverse, count));
     } else {
       unique_rows.push_back(at::empty({count, t.dim}, at::TensorOptions().dtype(t.dtype)));
     }

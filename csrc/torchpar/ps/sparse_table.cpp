@@ -1,5 +1,7 @@
 #include <torchpar/ps/sparse_table.h>
 
+#include <torchpar/ps/row_ids.h>
+
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -78,7 +80,7 @@ SparseTable::SparseTable(std::string name, c10::ScalarType dtype, int64_t num_ro
 
 int64_t SparseTable::bytes() const {
   int64_t total = values_.nbytes() + static_cast<int64_t>(ids_.capacity() * sizeof(int64_t)) +
-                  static_cast<int64_t>(slot_of_.size() * 4 * sizeof(int64_t));
+                  static_cast<int64_t>(slot_of_.bucket_count() * (sizeof(std::pair<int64_t, int64_t>) + 8));
   for (const auto* tensor : {&state_.sum, &state_.exp_avg, &state_.exp_avg_sq, &state_.step}) {
     total += tensor->defined() ? tensor->nbytes() : 0;
   }
@@ -105,7 +107,7 @@ at::Tensor SparseTable::slots_of(const int64_t* ids, int64_t count) {
   auto* out = slots.data_ptr<int64_t>();
   std::vector<double> row(dim_);
   for (int64_t i = 0; i < count; ++i) {
-    auto [entry, created] = slot_of_.try_emplace(ids[i], static_cast<int64_t>(ids_.size()));
+    auto [entry, created] = slot_of_.emplace(ids[i], static_cast<int64_t>(ids_.size()));
     if (created) {
       grow(static_cast<int64_t>(ids_.size()) + 1);
       ids_.push_back(ids[i]);
@@ -127,24 +129,12 @@ at::Tensor SparseTable::read_rows(const int64_t* ids, int64_t count) {
 void SparseTable::apply_mean(const std::vector<at::Tensor>& ids, const std::vector<at::Tensor>& grads) {
   const auto all_ids = ids.size() == 1 ? ids.front() : at::cat(ids);
   const auto all_grads = grads.size() == 1 ? grads.front() : at::cat(grads);
-  const auto* id = all_ids.data_ptr<int64_t>();
-  std::unordered_map<int64_t, int64_t> position_of;
-  std::vector<int64_t> distinct;
-  auto position = at::empty({all_ids.numel()}, at::kLong);
-  auto* positions = position.data_ptr<int64_t>();
-  for (int64_t i = 0; i < all_ids.numel(); ++i) {
-    auto [entry, created] = position_of.try_emplace(id[i], static_cast<int64_t>(distinct.size()));
-    if (created) {
-      distinct.push_back(id[i]);
-    }
-    positions[i] = entry->second;
-  }
-  auto summed = at::zeros({static_cast<int64_t>(distinct.size()), dim_}, all_grads.options());
-  summed.index_add_(0, position, all_grads);
+  const auto distinct = distinct_ids(all_ids.const_data_ptr<int64_t>(), all_ids.numel());
+  auto summed = sum_rows(all_grads, distinct.inverse, static_cast<int64_t>(distinct.ids.size()));
   if (grads.size() > 1) {
     summed.div_(static_cast<double>(grads.size()));
   }
-  const auto slots = slots_of(distinct.data(), static_cast<int64_t>(distinct.size()));
+  const auto slots = slots_of(distinct.ids.data(), static_cast<int64_t>(distinct.ids.size()));
   auto rows = values_.index_select(0, slots);
   RowOptimizerState gathered;
   if (state_.sum.defined()) gathered.sum = state_.sum.index_select(0, slots);

@@ -5,7 +5,7 @@
 #include <torchpar/ps/optimizer.h>
 #include <torchpar/ps/table.h>
 
-#include <unordered_map>
+#include <c10/util/flat_hash_map.h>
 
 namespace torchpar::ps {
 
@@ -34,7 +34,7 @@ class SparseTable : public Table {
   int64_t num_rows_;
   int64_t dim_;
   RowInitializer initializer_;
-  std::unordered_map<int64_t, int64_t> slot_of_;
+  ska::flat_hash_map<int64_t, int64_t> slot_of_;
   std::vector<int64_t> ids_; // by slot
   at::Tensor values_;        // [capacity, dim]
   RowOptimizerState state_;  // [capacity, dim] each, step [capacity]
