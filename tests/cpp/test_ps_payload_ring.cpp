@@ -92,6 +92,32 @@ TEST_CASE("ps payload ring: a full ring refuses a payload until the receiver has
   CHECK(received == third);
 }
 
+TEST_CASE("ps payload ring: once a payload went back to the beginning, the end of the lap before is free") {
+  ps::OutgoingRing outgoing(4096);
+  auto incoming = open_or_fail(outgoing.offer());
+  const auto a = pattern(1000, 1), b = pattern(2000, 2), c = pattern(1500, 3), d = pattern(600, 4);
+  std::vector<uint8_t> received(2000);
+  const auto at_a = outgoing.write(a.data(), a.size());
+  REQUIRE(at_a);
+  incoming->read(*at_a, a.size(), received.data());
+  const auto at_b = outgoing.write(b.data(), b.size());  // the ring is empty: b starts the next lap
+  REQUIRE(at_b);
+  CHECK(*at_b == 4096);
+  const auto at_c = outgoing.write(c.data(), c.size());  // after b, though the receiver read only up to a
+  REQUIRE(at_c);
+  CHECK(*at_c % 4096 == 2048);
+  CHECK_FALSE(outgoing.write(d.data(), d.size()));  // past the end, the beginning still holds b
+  incoming->read(*at_b, b.size(), received.data());
+  CHECK(std::vector<uint8_t>(received.begin(), received.begin() + 2000) == b);
+  const auto at_d = outgoing.write(d.data(), d.size());  // now it does
+  REQUIRE(at_d);
+  CHECK(*at_d % 4096 == 0);
+  incoming->read(*at_c, c.size(), received.data());
+  CHECK(std::vector<uint8_t>(received.begin(), received.begin() + 1500) == c);
+  incoming->read(*at_d, d.size(), received.data());
+  CHECK(std::vector<uint8_t>(received.begin(), received.begin() + 600) == d);
+}
+
 TEST_CASE("ps payload ring: reading what the sender did not write is an error, not a read of stale bytes") {
   ps::OutgoingRing outgoing(4096);
   auto incoming = open_or_fail(outgoing.offer());

@@ -97,19 +97,23 @@ void OutgoingRing::close_descriptor() {
 }
 
 std::optional<uint64_t> OutgoingRing::write(const void* bytes, size_t size) {
+  if (size > capacity_) return std::nullopt;
+  // The unread payloads are those the receiver has not read past; the first of them is where the
+  // occupied bytes start (a payload that went to the beginning left the end of the lap before it free).
   const uint64_t consumed = header_of(mapping_)->consumed.load(std::memory_order_acquire);
+  while (!unread_.empty() && unread_.front().second <= consumed) unread_.pop_front();
   uint64_t position = round_up(written_, kAlignment);
-  if (consumed == written_) {
+  if (unread_.empty()) {
     // Nothing unread: start over at the beginning, so that the pages in use are those of the largest
     // payloads in flight, not the whole ring.
     position = round_up(written_, capacity_);
   } else {
     if (position % capacity_ + size > capacity_) position = round_up(position, capacity_);  // never split one
-    if (position + size - consumed > capacity_) return std::nullopt;  // it would reach unread bytes
+    if (position + size - unread_.front().first > capacity_) return std::nullopt;  // it would reach unread bytes
   }
-  if (size > capacity_) return std::nullopt;
   std::memcpy(data() + position % capacity_, bytes, size);
   written_ = position + size;
+  unread_.emplace_back(position, written_);
   header_of(mapping_)->written.store(written_, std::memory_order_release);
   return position;
 }
@@ -154,7 +158,7 @@ IncomingRing::~IncomingRing() {
 void IncomingRing::read(uint64_t position, size_t bytes, void* out) {
   auto* header = header_of(mapping_);
   const uint64_t written = header->written.load(std::memory_order_acquire);
-  TORCH_CHECK(position >= consumed_ && position - consumed_ <= capacity_ && bytes <= capacity_ &&
+  TORCH_CHECK(position >= consumed_ && bytes <= capacity_ &&
                   position % capacity_ + bytes <= capacity_ && position + bytes <= written,
               "torchpar.ps: a payload of ", bytes, " bytes at ring position ", position,
               " that the peer did not write (read up to ", consumed_, ", written up to ", written, ", capacity ",

@@ -7,9 +7,11 @@
 // in /dev/shm, so a process killed at any moment leaves nothing behind.
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace torchpar::ps {
 
@@ -50,6 +52,7 @@ class OutgoingRing {
   int fd_ = -1;
   uint64_t token_ = 0;
   uint64_t written_ = 0;  // position after the last payload written
+  std::deque<std::pair<uint64_t, uint64_t>> unread_;  // payloads written and maybe not read: [start, end)
 };
 
 // The receiving side: the peer's ring, mapped.
