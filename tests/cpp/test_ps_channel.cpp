@@ -66,7 +66,7 @@ constexpr int64_t kLargePayloads = 7;  // the sizes past the frame's inline byte
 // second, so with `rings_first` both ranks exchange those two before the sizes.
 // Each call takes its own tags: a channel's receives still posted when it goes are not the next one's.
 int64_t exchange_every_size(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t ring_bytes,
-                            bool rings_first) {
+                            bool rings_first, ps::RingPayloads ring_payloads = ps::RingPayloads::Copied) {
   static int calls = 0;
   const int tags = 2 * ps::kTagsPerDirection * calls++;
   Inbox inbox;
@@ -75,7 +75,7 @@ int64_t exchange_every_size(int rank, const c10::intrusive_ptr<c10d::ProcessGrou
       pg, 1 - rank, tags + (requester ? ps::kRequestTag : ps::kReplyTag),
       tags + (requester ? ps::kReplyTag : ps::kRequestTag),
       [&](ps::Message&& message) { return inbox.on_message(std::move(message)); },
-      [&](const std::string& reason) { inbox.on_failure(reason); }, ring_bytes);
+      [&](const std::string& reason) { inbox.on_failure(reason); }, ring_bytes, ring_payloads);
   size_t prelude = 0;
   if (rings_first) {
     for (; prelude < 2; ++prelude) {
@@ -118,6 +118,10 @@ TEST_CASE("ps channel: messages arrive whole and in order, whatever their size, 
     {
       INFO("through the same-host rings");
       CHECK(exchange_every_size(rank, pg, 16 << 20, true) == kLargePayloads);
+    }
+    {
+      INFO("through the same-host rings, each payload lent to the callback in place (the inbox copies it)");
+      CHECK(exchange_every_size(rank, pg, 16 << 20, true, ps::RingPayloads::Lent) == kLargePayloads);
     }
     {
       INFO("through a ring too small for some: those through Gloo, in order with the others");

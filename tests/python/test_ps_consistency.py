@@ -290,12 +290,42 @@ def test_asp_lets_the_fast_worker_run_ahead(scenario):
     assert stats[0]["max_staleness"] > staleness + 1, stats
 
 
+WAITING_IDS = torch.arange(4096) * 7 % 100_003  # 4096 distinct ids: a 32 KiB request, past the frame
+
+
+def waiting_read_worker(service):
+    """SSP with staleness 0: the fast worker's pull_rows waits for the slow worker's push, and while it
+    waits the fast worker sends a large push_pull. On one host both requests travel through the same
+    shared-memory ring, at the same place (the ring is empty each time); the server must read the waiting
+    request from a copy of its own, not from the ring the next request overwrote."""
+    client, w = service.client, service.worker_index
+    rows = client.sparse_table("waiting.rows", 100_003, 4, ps.SGD(1.0))
+    filler = client.dense_table("waiting.filler", torch.zeros(100_000), ps.SGD(1.0))
+    dist.barrier(group=service.worker_group)
+    if w == 1:
+        time.sleep(1.0)  # the slow worker: the fast one's read below waits for this push
+    client.push_rows([rows], [WAITING_IDS], [-torch.ones(len(WAITING_IDS), 4)]).wait()
+    waiting = client.pull_rows([rows], [WAITING_IDS])
+    if w == 0:
+        time.sleep(0.3)  # the server has taken the read, which waits, and handed its ring bytes back
+    client.push_pull([filler], [torch.full((100_000,), -1.0)])  # into the ring where the read was
+    return dict(rows=waiting.wait()[0])
+
+
+def test_a_read_that_waits_keeps_its_request_when_the_next_one_reuses_the_ring(scenario):
+    results, _ = scenario(2, 1, "waiting_read")
+    for result in results:
+        # Both workers pushed +1 to every row of WAITING_IDS before the read at clock 1 was answered.
+        assert torch.equal(result["rows"], torch.full((len(WAITING_IDS), 4), 2.0)), result["rows"]
+
+
 # --- One launch per world size, its services one after another -----------------------------------------
 
 WORLDS = {  # (workers, servers): scenarios (name, body, args, service options)
     (2, 1): [("asp", asp_worker, (), dict(consistency="asp")),
              ("ssp1", ssp_worker, (1,), dict(consistency="ssp", staleness=1)),
-             ("asp_ahead", ssp_worker, (1,), dict(consistency="asp"))],
+             ("asp_ahead", ssp_worker, (1,), dict(consistency="asp")),
+             ("waiting_read", waiting_read_worker, (), dict(consistency="ssp", staleness=0))],
     (2, 2): [("bsp", bsp_worker, (2,), dict(consistency="bsp")),
              ("asp", asp_worker, (), dict(consistency="asp")),
              ("ssp2", ssp_worker, (2,), dict(consistency="ssp", staleness=2))],

@@ -11,7 +11,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <set>
+#include <utility>
 
 namespace torchpar::ps {
 namespace {
@@ -83,13 +85,14 @@ Message make_message(MessageKind kind, int64_t request_id, std::vector<uint8_t> 
 }
 
 Channel::Channel(c10::intrusive_ptr<c10d::ProcessGroup> group, int peer, int outgoing_tag, int incoming_tag,
-                 OnMessage on_message, OnFailure on_failure, int64_t ring_bytes)
+                 OnMessage on_message, OnFailure on_failure, int64_t ring_bytes, RingPayloads ring_payloads)
     : group_(std::move(group)),
       peer_(peer),
       outgoing_tag_(outgoing_tag),
       incoming_tag_(incoming_tag),
       on_message_(std::move(on_message)),
-      on_failure_(std::move(on_failure)) {
+      on_failure_(std::move(on_failure)),
+      ring_payloads_(ring_payloads) {
   if (ring_bytes > 0) {
     try {
       outgoing_ring_ = std::make_unique<OutgoingRing>(ring_bytes);
@@ -295,6 +298,7 @@ at::Tensor Channel::receive_payload(int64_t bytes) {
 void Channel::receive_loop() {
   while (true) {
     Message message;
+    std::optional<std::pair<uint64_t, size_t>> lent;  // ring bytes the message's payload views
     try {
       std::vector<at::Tensor> frame{at::empty({Frame::kBytes}, at::kByte)};
       receive(frame, incoming_tag_);
@@ -305,9 +309,16 @@ void Channel::receive_loop() {
         TORCH_CHECK(incoming_ring_ && message.frame.payload_bytes > Frame::kInlineBytes, "torchpar.ps: rank ", peer_,
                     " sent a payload of ", message.frame.payload_bytes,
                     " bytes through a shared-memory ring this end has not mapped");
-        message.payload = at::empty({message.frame.payload_bytes}, at::kByte);
-        incoming_ring_->read(static_cast<uint64_t>(message.frame.ring_position),
-                             static_cast<size_t>(message.frame.payload_bytes), message.payload.data_ptr());
+        const auto position = static_cast<uint64_t>(message.frame.ring_position);
+        const auto size = static_cast<size_t>(message.frame.payload_bytes);
+        if (ring_payloads_ == RingPayloads::Lent) {
+          message.payload = at::from_blob(const_cast<void*>(incoming_ring_->view(position, size)),
+                                          {message.frame.payload_bytes}, at::kByte);
+          lent = {position, size};
+        } else {
+          message.payload = at::empty({message.frame.payload_bytes}, at::kByte);
+          incoming_ring_->read(position, size, message.payload.data_ptr());
+        }
       } else if (message.frame.payload_bytes > Frame::kInlineBytes) {
         message.payload = receive_payload(message.frame.payload_bytes);
       } else if (message.frame.payload_bytes > 0) {
@@ -328,6 +339,7 @@ void Channel::receive_loop() {
       fail(std::string("handling a message failed: ") + message_of(error));
       return;
     }
+    if (lent) incoming_ring_->release(lent->first, lent->second);
     if (!more) {
       return;
     }

@@ -38,6 +38,11 @@ struct Message {
 
 Message make_message(MessageKind kind, int64_t request_id, std::vector<uint8_t> payload);
 
+// What a message's payload that came through the ring is: a copy of its own, or (Lent) a view of the
+// ring's bytes, valid only until the message callback returns — for a receiver that keeps nothing of a
+// payload past its callback without copying it (it saves a copy and an allocation per message).
+enum class RingPayloads { Copied, Lent };
+
 class Channel {
  public:
   // Returns false to stop receiving (the peer's last message arrived).
@@ -46,7 +51,8 @@ class Channel {
 
   // `ring_bytes`: the capacity of this end's outgoing payload ring; 0 sends every payload through Gloo.
   Channel(c10::intrusive_ptr<c10d::ProcessGroup> group, int peer, int outgoing_tag, int incoming_tag,
-          OnMessage on_message, OnFailure on_failure, int64_t ring_bytes = default_ring_bytes());
+          OnMessage on_message, OnFailure on_failure, int64_t ring_bytes = default_ring_bytes(),
+          RingPayloads ring_payloads = RingPayloads::Copied);
   // Waits for what was sent (at most the group's timeout each), then stops; a receive still
   // waiting is abandoned.
   ~Channel();
@@ -98,6 +104,7 @@ class Channel {
   bool ring_offered_ = false;
   bool peer_mapped_ring_ = false;
   std::unique_ptr<IncomingRing> incoming_ring_;
+  RingPayloads ring_payloads_;
   int64_t answer_due_ = 0;  // Frame::kRingAccepted or kRingDeclined, to say in the next frame sent
   int64_t payloads_through_ring_ = 0;
   std::thread waiter_;

@@ -156,16 +156,23 @@ IncomingRing::~IncomingRing() {
 }
 
 void IncomingRing::read(uint64_t position, size_t bytes, void* out) {
-  auto* header = header_of(mapping_);
-  const uint64_t written = header->written.load(std::memory_order_acquire);
-  TORCH_CHECK(position >= consumed_ && bytes <= capacity_ &&
-                  position % capacity_ + bytes <= capacity_ && position + bytes <= written,
+  std::memcpy(out, view(position, bytes), bytes);
+  release(position, bytes);
+}
+
+const void* IncomingRing::view(uint64_t position, size_t bytes) const {
+  const uint64_t written = header_of(mapping_)->written.load(std::memory_order_acquire);
+  TORCH_CHECK(position >= consumed_ && bytes <= capacity_ && position % capacity_ + bytes <= capacity_ &&
+                  position + bytes <= written,
               "torchpar.ps: a payload of ", bytes, " bytes at ring position ", position,
               " that the peer did not write (read up to ", consumed_, ", written up to ", written, ", capacity ",
               capacity_, ")");
-  std::memcpy(out, static_cast<const char*>(mapping_) + kHeaderBytes + position % capacity_, bytes);
+  return static_cast<const char*>(mapping_) + kHeaderBytes + position % capacity_;
+}
+
+void IncomingRing::release(uint64_t position, size_t bytes) {
   consumed_ = position + bytes;
-  header->consumed.store(consumed_, std::memory_order_release);
+  header_of(mapping_)->consumed.store(consumed_, std::memory_order_release);
 }
 
 } // namespace torchpar::ps

@@ -68,6 +68,9 @@ class IncomingRing {
   // Copies the `bytes` the sender wrote at `position` into `out` and hands their space back. Payloads
   // are read in the order they were written; a position or size the sender cannot have written throws.
   void read(uint64_t position, size_t bytes, void* out);
+  // The same bytes in place, valid until release(position, bytes) hands their space back.
+  const void* view(uint64_t position, size_t bytes) const;
+  void release(uint64_t position, size_t bytes);
 
  private:
   IncomingRing(void* mapping, size_t mapping_bytes, uint64_t capacity)

@@ -173,7 +173,9 @@ ServerSummary Server::run() {
           deliver(Event{w, std::move(message), {}});
           return !last;
         },
-        [w, deliver](const std::string& reason) { deliver(Event{w, {}, reason}); }));
+        [w, deliver](const std::string& reason) { deliver(Event{w, {}, reason}); }, Channel::default_ring_bytes(),
+        // Handled inside the callback; the one request kept past it (a read that waits) copies its payload.
+        RingPayloads::Lent));
   }
   info(std::string("serving ") + std::to_string(num_workers()) + " workers, " +
        consistency_name(options_.consistency) +
@@ -289,7 +291,11 @@ void Server::dispatch(int worker, const Frame& frame, Request&& request, at::Ten
   } else if (consistency_.readable(request, tables_)) {
     answer_reads(worker, id, request);
   } else {
-    deferred_.push_back(Deferred{worker, id, std::move(request), std::move(payload)});
+    // It outlives this message, whose payload may be a view of the channel's ring: keep a copy of its own.
+    auto owned = payload.defined() ? payload.clone() : payload;
+    auto kept = decode_request(frame.kind, owned.defined() ? owned.const_data_ptr<uint8_t>() : nullptr,
+                               static_cast<size_t>(frame.payload_bytes));
+    deferred_.push_back(Deferred{worker, id, std::move(kept), std::move(owned)});
   }
 }
 
