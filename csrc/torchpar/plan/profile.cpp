@@ -18,6 +18,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <numeric>
 
 namespace torchpar::plan {
 namespace {
@@ -48,8 +49,8 @@ pipeline::Tensors requiring_grad(const pipeline::Tensors& outputs) {
   return roots;
 }
 
-// The median of `repeats` timed runs of `run`, after one untimed (allocations, lazy initialisation).
-double median_ms(int repeats, const std::function<void()>& run) {
+// `repeats` timed runs of `run` (ms), after one untimed (allocations, lazy initialisation).
+std::vector<double> timed_runs_ms(int repeats, const std::function<void()>& run) {
   run();
   std::vector<double> samples;
   for (int i = 0; i < repeats; ++i) {
@@ -57,21 +58,19 @@ double median_ms(int repeats, const std::function<void()>& run) {
     run();
     samples.push_back(elapsed_ms(start));
   }
-  return median(samples);
+  return samples;
 }
 
-// The mean of `repeats` timed runs of `run`, after one untimed. For the process group's operations: a
-// step sums many of them, so its time holds their means, and their times have a long tail (Gloo's
-// all-reduce of 4 KiB on 2 ranks of this 2-core machine: median 0.40 ms, mean 1.78 ms, p90 4.0 ms).
+double median_ms(int repeats, const std::function<void()>& run) {
+  return median(timed_runs_ms(repeats, run));
+}
+
+// For the process group's operations: a step sums many of them, so its time holds their means, and
+// their times have a long tail (Gloo's all-reduce of 4 KiB on 2 ranks of this 2-core machine: median
+// 0.40 ms, mean 1.78 ms, p90 4.0 ms).
 double mean_ms(int repeats, const std::function<void()>& run) {
-  run();
-  double total = 0;
-  for (int i = 0; i < repeats; ++i) {
-    const auto start = Clock::now();
-    run();
-    total += elapsed_ms(start);
-  }
-  return total / repeats;
+  const auto samples = timed_runs_ms(repeats, run);
+  return std::accumulate(samples.begin(), samples.end(), 0.0) / static_cast<double>(samples.size());
 }
 
 // One pass of profiling at the sample's batch; `all_parameters` collects the layers' parameters.
