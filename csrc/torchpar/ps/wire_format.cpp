@@ -39,7 +39,8 @@ Frame decode_frame(const int64_t* fields) {
               " from the peer, this process speaks version ", kWireVersion);
   TORCH_CHECK(fields[3] >= 0 && fields[3] < (int64_t{1} << 40), "torchpar.ps: message announces ", fields[3],
               " payload bytes");
-  TORCH_CHECK(fields[4] >= -1 && (fields[5] & ~int64_t{7}) == 0, "torchpar.ps: a frame with ring position ",
+  constexpr int64_t kRingFlags = Frame::kRingOffered | Frame::kRingAccepted | Frame::kRingDeclined;
+  TORCH_CHECK(fields[4] >= -1 && (fields[5] & ~kRingFlags) == 0, "torchpar.ps: a frame with ring position ",
               fields[4], " and ring flags ", fields[5]);
   return Frame{static_cast<MessageKind>(fields[1]), fields[2], fields[3], fields[4], fields[5]};
 }
