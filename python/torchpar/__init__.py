@@ -6,6 +6,7 @@ import torch
 import torch.distributed  # registers c10d's Python types (Store, ProcessGroup) that _C hands out
 
 from . import _C, checkpoint, ddp, pipeline, ps, tensor_parallel
+from .allocator import keep_freed_memory
 from .backends import register_backends
 from .comm import LaunchError, init_process_group, read_launch_config
 from .ddp import DistributedDataParallel
@@ -15,4 +16,5 @@ register_backends()
 
 __version__ = "0.1.0"
 
-__all__ = ["DistributedDataParallel", "LaunchError", "ParallelGrid", "init_process_group", "read_launch_config", "__version__"]
+__all__ = ["DistributedDataParallel", "LaunchError", "ParallelGrid", "init_process_group", "keep_freed_memory",
+           "read_launch_config", "__version__"]

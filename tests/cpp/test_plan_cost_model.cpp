@@ -383,6 +383,9 @@ TEST_CASE("plan: a deep model over the memory cap goes to the pipeline") {
   CHECK(ddp_over_cap);
   CHECK_THAT(result.recommended_python, Contains("torchpar.pipeline.Pipeline(layers, loss_fn"));
   CHECK_THAT(result.recommended_cpp, Contains("torchpar::pipeline::PipelineOptions()"));
+  // What the planner measured with, so that the training it recommends runs as predicted.
+  CHECK_THAT(result.recommended_python, Contains("torchpar.keep_freed_memory()"));
+  CHECK_THAT(result.recommended_cpp, Contains("MALLOC_TRIM_THRESHOLD_=268435456"));
   // Without the cap the same model trains fastest with DDP (its compute splits 4 ways, its all-reduces
   // hide behind backward).
   const auto uncapped = planner.plan(plan::PlanOptions().world(4));

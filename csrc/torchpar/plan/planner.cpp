@@ -162,8 +162,14 @@ std::string render_table(const Plan& plan) {
   return out.str();
 }
 
+// The planner measures with freed memory kept (python/torchpar/allocator.py); so should the training it predicts.
+constexpr const char* kKeepFreedMemoryCpp =
+    "// launched with MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=268435456, as the planner measured\n";
+constexpr const char* kKeepFreedMemoryPython = "torchpar.keep_freed_memory()  # as the planner measured\n";
+
 std::string cpp_code(const Configuration& c, bool sparse_tables) {
   std::ostringstream out;
+  out << kKeepFreedMemoryCpp;
   switch (c.strategy) {
     case Strategy::DataParallel:
       out << "auto group = torchpar::init_process_group();\n"
@@ -218,6 +224,7 @@ std::string cpp_code(const Configuration& c, bool sparse_tables) {
 
 std::string python_code(const Configuration& c, bool sparse_tables) {
   std::ostringstream out;
+  out << kKeepFreedMemoryPython;
   switch (c.strategy) {
     case Strategy::DataParallel:
       out << "torchpar.init_process_group()\nmodel = torchpar.DistributedDataParallel(model)\n";

@@ -46,8 +46,13 @@ def describe(calibration: Calibration) -> str:
             f"+{calibration.ps_ms_per_byte * 2**20:.2f} ms/MiB and +{calibration.ps_per_step_ms:.2f} ms per step")
 
 
+# Samples of version 1 were measured with glibc trimming freed memory (before the planner kept it): their steps
+# ran up to 2x slower, by how much depending on what the process had allocated before.
+SAMPLES_VERSION = 2
+
+
 def _key(world: int, backend: str) -> str:
-    return f"{torch.__version__}/{backend}/{world} ranks/{torch.get_num_threads()} threads"
+    return f"{torch.__version__}/{backend}/{world} ranks/{torch.get_num_threads()} threads/v{SAMPLES_VERSION}"
 
 
 def _read(path: pathlib.Path) -> dict:

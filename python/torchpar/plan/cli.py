@@ -19,14 +19,17 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import multiprocessing
 import os
 import pathlib
 import re
+import statistics
 
 import torch
 import torch.distributed as dist
 
+from torchpar.allocator import keep_freed_memory
 from torchpar.plan.calibration import FIELDS as CALIBRATION_FIELDS, configuration_fields
 from torchpar.plan.calibration import describe as describe_calibration
 
@@ -119,22 +122,35 @@ def plot(report: dict, path: pathlib.Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def verification_profile(model_profile, before, after):
+    """The profile at the machine's speed while the configurations were verified: scaled to the whole model's
+    passes measured just before and just after (geometric means). A shared machine's speed drifts; samples scaled
+    so teach the calibration how configurations differ from the passes, not the drift since planning."""
+    alone = math.sqrt(before.alone_ms * after.alone_ms)
+    scaled = model_profile.scaled_to(alone)
+    scaled.contention = math.sqrt(before.together_ms * after.together_ms) / alone
+    return scaled
+
+
 def run(rank: int, world: int, args: argparse.Namespace) -> None:
     import torchpar.plan as planner
-    from torchpar.plan.verify import measure
+    from torchpar.plan.verify import Measurement, measure
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
+    # Profile, passes and verified steps all without faulting freed memory back in, which a fresh process does
+    # and a longer-lived one may not: otherwise a step's time depends on what the process allocated before.
+    keep_freed_memory()
     control = dist.new_group(backend="gloo")
     group = dist.new_group(backend=args.backend) if args.backend != "gloo" else dist.group.WORLD
     model = planner.load_model(args.model)
     torch.manual_seed(0)
     report = None
+    per_rank = max(1, args.batch // world)
     if rank == 0:
-        logger.info("profiling %s (%d layers) at %d samples per rank", args.model, len(model.layers),
-                    max(1, args.batch // world))
-        model_profile, optimizer_ms_per_byte = planner.profile(model, max(1, args.batch // world))
+        logger.info("profiling %s (%d layers) at %d samples per rank", args.model, len(model.layers), per_rank)
+        model_profile, optimizer_ms_per_byte = planner.profile(model, per_rank)
     dist.barrier(group=control)
-    passes = planner.measure_model_pass(model, max(1, args.batch // world), control)
+    passes = planner.measure_model_pass(model, per_rank, control)
     network = planner.measure_network(group)
     if rank == 0:
         logger.info("the whole model's forward and backward: %.2f ms alone, %.2f ms with %d ranks at once; the "
@@ -185,14 +201,29 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     if chosen[0]:
         from tqdm import tqdm
 
-        # One untimed step of the first configuration: what a process sets up once (threads, lazy libraries,
-        # the first groups' buffers) is then not counted in that configuration's memory.
-        measure(model, configuration_from(chosen[0][0]["fields"]), args.batch, args.backend, control, warmup=0,
-                steps=1, tensor_roles=chosen[1][0])
-        for entry, roles in tqdm(list(zip(*chosen)), desc="verify", unit="config", disable=rank != 0):
-            configuration = configuration_from(entry["fields"])
-            measured.append(measure(model, configuration, args.batch, args.backend, control, steps=args.steps,
-                                    tensor_roles=roles))
+        # One untimed step of the first configuration of each strategy: what a process sets up once for it
+        # (threads, the libraries' code it pages in, the first groups' buffers: ~160 MiB for a pipeline after a
+        # parameter server) is then not counted in that strategy's memory.
+        first_of_kind = {}
+        for entry, roles in zip(*chosen):
+            first_of_kind.setdefault(strategy_kind(entry["fields"]), (entry, roles))
+        for entry, roles in first_of_kind.values():
+            measure(model, configuration_from(entry["fields"]), args.batch, args.backend, control, warmup=0,
+                    steps=1, tensor_roles=roles)
+        # Two rounds, the second in reverse order, so that a slow spell of the machine (they last seconds here)
+        # weighs on every configuration rather than on the ones it happened to hit. The whole model's passes
+        # before and after: the machine's speed meanwhile, which the calibration's samples are scaled to.
+        levels = [planner.measure_model_pass(model, per_rank, control)]
+        rounds = [[] for _ in chosen[0]]
+        order = list(range(len(chosen[0])))
+        with tqdm(total=2 * len(order), desc="verify", unit="config", disable=rank != 0) as progress:
+            for index in order + order[::-1]:
+                rounds[index].append(measure(model, configuration_from(chosen[0][index]["fields"]), args.batch,
+                                             args.backend, control, steps=args.steps, tensor_roles=chosen[1][index]))
+                progress.update()
+        levels.append(planner.measure_model_pass(model, per_rank, control))
+        measured = [Measurement(statistics.mean(m.step_ms for m in both), max(m.memory_bytes for m in both))
+                    for both in rounds]
     if rank == 0:
         if measured:
             for entry, measurement in zip(chosen[0], measured):
@@ -201,7 +232,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                                                predicted_memory=entry["memory_per_rank"],
                                                measured_memory=measurement.memory_bytes))
             configurations = [configuration_from(e["fields"]) for e in chosen[0]]
-            samples = [planner.calibration_sample(model, model_profile, network, configuration, batch=args.batch,
+            logger.info("the whole model's forward and backward around the verified runs: %.2f and %.2f ms alone, "
+                        "%.2f and %.2f ms together", levels[0].alone_ms, levels[1].alone_ms, levels[0].together_ms,
+                        levels[1].together_ms)
+            verified_profile = verification_profile(model_profile, *levels)
+            samples = [planner.calibration_sample(model, verified_profile, network, configuration, batch=args.batch,
                                                   optimizer_ms_per_byte=optimizer_ms_per_byte,
                                                   measured_ms=measurement.step_ms)
                        for configuration, measurement in zip(configurations, measured)]
