@@ -72,6 +72,9 @@ def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
     # Memory measured as the resident set's growth: the model is small (38 KiB of parameters) and may land in
     # memory an earlier configuration freed, but a parameter server's channels and buffers do not.
     assert next(r for r in report["verified"] if r["configuration"].startswith("ps"))["measured_memory"] > 0
+    # Before any --verify, the engines' host time was measured on these ranks (tiny pipeline and parameter
+    # server runs), not left at zero.
+    assert report["calibration"]["per_action_ms"] > 0 and report["calibration"]["ps_per_step_ms"] > 0, output
     assert "predicted against measured" not in output  # the plot's title, not stdout
     assert "verified (step ms)" in output and "the top-ranked configuration measured" in output
     # What it learned is kept for the next plan on this machine, which says it uses it, with every verified
@@ -126,3 +129,14 @@ def test_a_calibration_sample_survives_the_file_and_refits_the_same(tmp_path):
     assert count == 3
     assert {f: getattr(again, f) for f in calibration.FIELDS} == {f: getattr(learned, f) for f in calibration.FIELDS}
     assert calibration.load_calibration(2, "gloo", path).compute_scale == learned.compute_scale
+
+
+def test_the_host_overhead_is_where_the_prediction_meets_the_measurement():
+    from torchpar.plan.host_overhead import _solve
+
+    def predicted(per_action_ms):
+        return 1.0 + 3.0 * per_action_ms
+
+    assert abs(_solve(predicted, 2.5, 2.0) - 0.5) < 1e-6
+    assert _solve(predicted, 0.5, 2.0) == 0.0  # measured below the prediction without any: none
+    assert abs(_solve(predicted, 100.0, 2.0) - 2.0) < 1e-6  # capped at the calibration's bound

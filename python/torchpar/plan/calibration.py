@@ -30,11 +30,13 @@ _CONFIGURATION_FIELDS = ("world", "replicas", "tensor", "schedule", "microbatche
                          "servers", "synchronous")
 
 
-def default_calibration(world: int) -> Calibration:
+def default_calibration(world: int, per_action_ms: float = 0.0) -> Calibration:
     """Before any --verify: gradient communication hidden behind backward only when every rank has a core to
-    spare for its communication thread (2 x world cores; in between, in proportion)."""
+    spare for its communication thread (2 x world cores; in between, in proportion); `per_action_ms`: the
+    pipeline's host time per action as measured on these ranks (``host_overhead.pipeline_action_ms``)."""
     calibration = Calibration()
     calibration.overlap = min(1.0, max(0.0, (os.cpu_count() or 1) / world - 1))
+    calibration.per_action_ms = per_action_ms
     return calibration
 
 
@@ -108,6 +110,24 @@ def configuration_fields(configuration) -> dict:
                 **{field: getattr(configuration, field) for field in _CONFIGURATION_FIELDS})
 
 
+def configuration_from_fields(fields: dict):
+    """A Configuration from its JSON fields (those missing, from samples kept before they existed, keep their
+    defaults)."""
+    configuration = _engine.Configuration()
+    configuration.strategy = getattr(_engine.Strategy, fields["strategy"])
+    for name in _CONFIGURATION_FIELDS:
+        if name in fields:
+            setattr(configuration, name, fields[name])
+    return configuration
+
+
+def copy_calibration(calibration: Calibration) -> Calibration:
+    copied = Calibration()
+    for field in FIELDS:
+        setattr(copied, field, getattr(calibration, field))
+    return copied
+
+
 def sample_from_json(fields: dict):
     sample = _engine.CalibrationSample()
     model = _engine.ModelProfile()
@@ -131,19 +151,16 @@ def sample_from_json(fields: dict):
     for name, value in fields["setup"].items():
         setattr(setup, name, value)
     sample.setup = setup
-    configuration = _engine.Configuration()
-    configuration.strategy = getattr(_engine.Strategy, fields["configuration"]["strategy"])
-    for name in _CONFIGURATION_FIELDS:
-        if name in fields["configuration"]:  # samples kept before a field existed take its default
-            setattr(configuration, name, fields["configuration"][name])
-    sample.configuration = configuration
+    sample.configuration = configuration_from_fields(fields["configuration"])
     sample.measured_ms = fields["measured_ms"]
     return sample
 
 
-def learn(samples: Sequence, world: int, backend: str, path: pathlib.Path = FILE) -> tuple[Calibration, int]:
+def learn(samples: Sequence, world: int, backend: str, path: pathlib.Path = FILE,
+          start: Optional[Calibration] = None) -> tuple[Calibration, int]:
     """Adds `samples` (CalibrationSample) to those kept for this world and backend, fits the calibration to
-    all of them from the default one, keeps both; returns the calibration and how many samples it rests on."""
+    all of them from `start` (the default one), keeps both; returns the calibration and how many samples it
+    rests on."""
     saved = _read(path)
     key = _key(world, backend)
     entry = saved.get(key) if isinstance(saved.get(key), dict) else {}
@@ -154,7 +171,7 @@ def learn(samples: Sequence, world: int, backend: str, path: pathlib.Path = FILE
         except (KeyError, TypeError, ValueError, AttributeError):
             continue  # written by an older version: its successors will do
     kept = (kept + list(samples))[-KEPT_SAMPLES:]
-    calibration = _engine.fit_calibration(kept, default_calibration(world))
+    calibration = _engine.fit_calibration(kept, start or default_calibration(world))
     saved[key] = dict(calibration={field: getattr(calibration, field) for field in FIELDS},
                       samples=[sample_to_json(sample) for sample in kept])
     path.parent.mkdir(parents=True, exist_ok=True)

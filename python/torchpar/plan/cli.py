@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from torchpar.allocator import keep_freed_memory
-from torchpar.plan.calibration import FIELDS as CALIBRATION_FIELDS, configuration_fields
+from torchpar.plan.calibration import FIELDS as CALIBRATION_FIELDS, configuration_fields, configuration_from_fields
 from torchpar.plan.calibration import describe as describe_calibration
+from torchpar.plan.host_overhead import measure_host_overheads
 
 logger = logging.getLogger("torchpar.plan")
 UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -59,15 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=["gloo", "shm"], default="gloo")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("torchpar-plan"))
     return parser.parse_args(argv)
-
-
-def configuration_from(fields: dict):
-    from torchpar._C import plan as engine
-
-    configuration = engine.Configuration()
-    for name, value in fields.items():
-        setattr(configuration, name, getattr(engine.Strategy, value) if name == "strategy" else value)
-    return configuration
 
 
 def strategy_kind(fields: dict) -> str:
@@ -152,6 +144,10 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     dist.barrier(group=control)
     passes = planner.measure_model_pass(model, per_rank, control)
     network = planner.measure_network(group)
+    # The default calibration, with the engines' host time per pipeline action and per parameter-server step
+    # measured on these ranks.
+    default = planner.default_calibration(world)
+    measure_host_overheads(default, network, control, args.backend)
     if rank == 0:
         logger.info("the whole model's forward and backward: %.2f ms alone, %.2f ms with %d ranks at once; the "
                     "layers one at a time: %.2f ms (scaled to the whole model's alone)", passes.alone_ms,
@@ -160,7 +156,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         model_profile.contention = passes.together_ms / passes.alone_ms
         calibration = planner.load_calibration(world, args.backend)
         learned = calibration is not None
-        calibration = calibration or planner.default_calibration(world)
+        calibration = calibration or default
         result = planner.plan(model, model_profile, network, batch=args.batch, world=world,
                               memory_per_rank=args.memory_per_rank, optimizer_ms_per_byte=optimizer_ms_per_byte,
                               calibration=calibration)
@@ -208,7 +204,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         for entry, roles in zip(*chosen):
             first_of_kind.setdefault(strategy_kind(entry["fields"]), (entry, roles))
         for entry, roles in first_of_kind.values():
-            measure(model, configuration_from(entry["fields"]), args.batch, args.backend, control, warmup=0,
+            measure(model, configuration_from_fields(entry["fields"]), args.batch, args.backend, control, warmup=0,
                     steps=1, tensor_roles=roles)
         # Two rounds, the second in reverse order, so that a slow spell of the machine (they last seconds here)
         # weighs on every configuration rather than on the ones it happened to hit. The whole model's passes
@@ -218,7 +214,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         order = list(range(len(chosen[0])))
         with tqdm(total=2 * len(order), desc="verify", unit="config", disable=rank != 0) as progress:
             for index in order + order[::-1]:
-                rounds[index].append(measure(model, configuration_from(chosen[0][index]["fields"]), args.batch,
+                rounds[index].append(measure(model, configuration_from_fields(chosen[0][index]["fields"]), args.batch,
                                              args.backend, control, steps=args.steps, tensor_roles=chosen[1][index]))
                 progress.update()
         levels.append(planner.measure_model_pass(model, per_rank, control))
@@ -231,7 +227,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                                                measured_ms=measurement.step_ms,
                                                predicted_memory=entry["memory_per_rank"],
                                                measured_memory=measurement.memory_bytes))
-            configurations = [configuration_from(e["fields"]) for e in chosen[0]]
+            configurations = [configuration_from_fields(e["fields"]) for e in chosen[0]]
             logger.info("the whole model's forward and backward around the verified runs: %.2f and %.2f ms alone, "
                         "%.2f and %.2f ms together", levels[0].alone_ms, levels[1].alone_ms, levels[0].together_ms,
                         levels[1].together_ms)
@@ -240,7 +236,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                                                   optimizer_ms_per_byte=optimizer_ms_per_byte,
                                                   measured_ms=measurement.step_ms)
                        for configuration, measurement in zip(configurations, measured)]
-            learned, sample_count = planner.learn_calibration(samples, world, args.backend)
+            learned, sample_count = planner.learn_calibration(samples, world, args.backend, start=default)
             for row, configuration in zip(report["verified"], configurations):
                 row["calibrated_ms"] = planner.predict_step_ms(model, model_profile, network, configuration,
                                                                batch=args.batch,
