@@ -86,6 +86,10 @@ def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
     assert "calibration from earlier --verify runs" in again
     assert again_report["calibration"] == report["learned_calibration"]
     assert again_report["calibration_samples"] == len(report["verified"]) + 1
+    # A plan without --verify that has a learned calibration does not measure the host times it would not use.
+    _, plain = plan(tmp_path, "digits_mlp", "--batch", 64, "--world", 2)
+    assert "calibration from earlier --verify runs" in plain
+    assert "the engines' host time, measured" not in plain and "the engines' host time, measured" in again
 
 
 def test_a_calibration_sample_survives_the_file_and_refits_the_same(tmp_path):

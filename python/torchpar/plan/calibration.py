@@ -30,13 +30,12 @@ _CONFIGURATION_FIELDS = ("world", "replicas", "tensor", "schedule", "microbatche
                          "servers", "synchronous")
 
 
-def default_calibration(world: int, per_action_ms: float = 0.0) -> Calibration:
+def default_calibration(world: int) -> Calibration:
     """Before any --verify: gradient communication hidden behind backward only when every rank has a core to
-    spare for its communication thread (2 x world cores; in between, in proportion); `per_action_ms`: the
-    pipeline's host time per action as measured on these ranks (``host_overhead.pipeline_action_ms``)."""
+    spare for its communication thread (2 x world cores; in between, in proportion). The engines' host times
+    stay at zero here; ``host_overhead.measure_host_overheads`` measures them on the ranks at hand."""
     calibration = Calibration()
     calibration.overlap = min(1.0, max(0.0, (os.cpu_count() or 1) / world - 1))
-    calibration.per_action_ms = per_action_ms
     return calibration
 
 
@@ -122,10 +121,7 @@ def configuration_from_fields(fields: dict):
 
 
 def copy_calibration(calibration: Calibration) -> Calibration:
-    copied = Calibration()
-    for field in FIELDS:
-        setattr(copied, field, getattr(calibration, field))
-    return copied
+    return _calibration_from({field: getattr(calibration, field) for field in FIELDS})
 
 
 def sample_from_json(fields: dict):

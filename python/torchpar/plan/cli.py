@@ -144,17 +144,25 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     dist.barrier(group=control)
     passes = planner.measure_model_pass(model, per_rank, control)
     network = planner.measure_network(group)
-    # The default calibration, with the engines' host time per pipeline action and per parameter-server step
-    # measured on these ranks.
+    # The default calibration, with the engines' host times measured on these ranks: what this plan predicts
+    # with unless earlier --verify runs taught one, and where this run's --verify fit starts.
+    calibration = planner.load_calibration(world, args.backend) if rank == 0 else None
+    verifying = args.verify > 0 or args.verify_each_strategy
+    needs_default = [calibration is None or verifying]
+    dist.broadcast_object_list(needs_default, src=0, group=control)
     default = planner.default_calibration(world)
-    measure_host_overheads(default, network, control, args.backend)
+    if needs_default[0]:
+        measure_host_overheads(default, network, control, args.backend)
+        if rank == 0:
+            logger.info("the engines' host time, measured on these ranks: %.2f ms per pipeline action; parameter "
+                        "server %.2f ms per step and %.2f ms/MiB", default.per_action_ms, default.ps_per_step_ms,
+                        default.ps_ms_per_byte * 2**20)
     if rank == 0:
         logger.info("the whole model's forward and backward: %.2f ms alone, %.2f ms with %d ranks at once; the "
                     "layers one at a time: %.2f ms (scaled to the whole model's alone)", passes.alone_ms,
                     passes.together_ms, world, model_profile.compute_ms)
         model_profile = model_profile.scaled_to(passes.alone_ms)
         model_profile.contention = passes.together_ms / passes.alone_ms
-        calibration = planner.load_calibration(world, args.backend)
         learned = calibration is not None
         calibration = calibration or default
         result = planner.plan(model, model_profile, network, batch=args.batch, world=world,
