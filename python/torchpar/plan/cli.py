@@ -151,11 +151,13 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     needs_default = [calibration is None or verifying]
     dist.broadcast_object_list(needs_default, src=0, group=control)
     default = planner.default_calibration(world)
+    probes = []  # the runs behind the default, as calibration samples
     if needs_default[0]:
-        measure_host_overheads(default, network, control, args.backend)
+        probes = measure_host_overheads(default, network, control, args.backend)
         if rank == 0:
-            logger.info("the engines' host time, measured on these ranks: %.2f ms per pipeline action; parameter "
-                        "server %.2f ms per step and %.2f ms/MiB", default.per_action_ms, default.ps_per_step_ms,
+            logger.info("the engines' host time, measured on these ranks: collectives while computing x %.2f, "
+                        "%.2f ms per pipeline action; parameter server %.2f ms per step and %.2f ms/MiB",
+                        default.communication_scale, default.per_action_ms, default.ps_per_step_ms,
                         default.ps_ms_per_byte * 2**20)
     if rank == 0:
         logger.info("the whole model's forward and backward: %.2f ms alone, %.2f ms with %d ranks at once; the "
@@ -244,7 +246,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                                                   optimizer_ms_per_byte=optimizer_ms_per_byte,
                                                   measured_ms=measurement.step_ms)
                        for configuration, measurement in zip(configurations, measured)]
-            learned, sample_count = planner.learn_calibration(samples, world, args.backend, start=default)
+            learned, sample_count = planner.learn_calibration(probes + samples, world, args.backend, start=default)
             for row, configuration in zip(report["verified"], configurations):
                 row["calibrated_ms"] = planner.predict_step_ms(model, model_profile, network, configuration,
                                                                batch=args.batch,
@@ -252,10 +254,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                                                                calibration=learned)
             report["learned_calibration"] = {f: getattr(learned, f) for f in CALIBRATION_FIELDS}
             report["calibration_samples"] = sample_count
+            report["probe_samples"] = len(probes)
             print(f"verified (step ms): configuration | predicted | measured | error | calibrated | error | memory per "
                   f"rank predicted | measured (resident set's growth)\n"
-                  f"  (predicted: with the calibration above; calibrated: fitted to {sample_count} verified runs "
-                  f"on this machine, these included: {describe_calibration(learned)})", flush=True)
+                  f"  (predicted: with the calibration above; calibrated: fitted to {sample_count} runs on this "
+                  f"machine, verified ones and host-time probes, these included: {describe_calibration(learned)})",
+                  flush=True)
             for row in report["verified"]:
                 error = abs(row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
                 calibrated = abs(row["calibrated_ms"] - row["measured_ms"]) / row["measured_ms"]

@@ -1,13 +1,14 @@
-"""The engines' host time on these ranks, measured before any --verify: per pipeline action, and per parameter-server
-step and byte.
+"""What the engines cost on these ranks beyond compute and idle-network transfers, measured before any --verify:
+collectives while ranks compute, host time per pipeline action, and per parameter-server step and byte.
 
-Besides compute and the bytes it moves, a pipeline's action (a micro-batch's forward or backward on a stage)
-costs host work: posting its transfers, the schedule's bookkeeping, waking the rank that waits for it; and a
-parameter server's step costs its round trips' requests, wake-ups and bookkeeping. Measured here (2 cores):
-0.3-0.8 ms per action, 0.2-2.7 ms per step and 0.6-2 ms/MiB, where the deep MLP's layers compute in ~0.5 ms each.
-The cost model fed with compute and transfer costs alone predicted pipelines 40-60% fast and the parameter server
-20-60% fast until --verify taught it. So the planner runs a pipeline and a parameter server of tiny layers for
-real, and takes as the default host times those under which the cost model reproduces their steps.
+A pipeline's action (a micro-batch's forward or backward on a stage) costs host work: posting its transfers, the
+schedule's bookkeeping, waking the rank that waits for it; a parameter server's step costs its round trips'
+requests, wake-ups and bookkeeping; and DDP's all-reduces, run while the ranks compute, cost more than the probes
+of an idle process group said (4 ranks on 2 cores: 1.6-1.8x). Measured here (2 cores): 0.3-1.0 ms per action,
+0-2.7 ms per step and 0.2-2 ms/MiB, where the deep MLP's layers compute in ~0.5 ms each. The cost model without
+them predicted pipelines 40-60% fast, the parameter server 20-60% and 4-rank DDP 44% until --verify taught it.
+So the planner runs DDP, a pipeline and parameter servers of small layers for real, and takes as the default
+those values under which the cost model reproduces their steps.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from torchpar.plan.model import Model
 
 _MICROBATCHES = 4
 _SAMPLES = 4  # per micro-batch, or per parameter-server worker
+_DATA_PARALLEL_SAMPLES = 16  # per rank
 
 
 def _linear_model(layers: int, width: int) -> Model:
@@ -42,47 +44,60 @@ def _solve(predicted_ms: Callable[[float], float], measured_ms: float, largest: 
     return low
 
 
-def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: str, largest: float, control,
-            backend: str) -> float:
+def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: str, bounds: tuple[float, float],
+            control, backend: str, samples: list) -> float:
     """(Every rank; the answer on rank 0.) `fields` run for real on `model`, then the value of the calibration's
-    `knob` under which the cost model predicts the step measured."""
-    from torchpar.plan import _setup, profile
+    `knob` within `bounds` under which the cost model predicts the step measured; the run joins `samples` (rank 0)."""
+    from torchpar.plan import _setup, calibration_sample, profile
     from torchpar.plan.verify import measure
 
     configuration = configuration_from_fields(fields)
-    measured_ms = measure(model, configuration, batch, backend, control, warmup=3, steps=10).step_ms
+    measured_ms = measure(model, configuration, batch, backend, control, warmup=3, steps=20).step_ms
     if dist.get_rank() != 0:
         return 0.0
     model_profile, optimizer_ms_per_byte = profile(model, batch // dist.get_world_size())
+    samples.append(calibration_sample(model, model_profile, network, configuration, batch=batch,
+                                      optimizer_ms_per_byte=optimizer_ms_per_byte, measured_ms=measured_ms))
     setup = _setup(model, batch, optimizer_ms_per_byte)
     trial = copy_calibration(calibration)
+    lowest, highest = bounds
 
-    def predicted_ms(value: float) -> float:
-        setattr(trial, knob, value)
+    def predicted_ms(above_lowest: float) -> float:
+        setattr(trial, knob, lowest + above_lowest)
         return _engine.predict(model_profile, network, setup, configuration, trial).step_ms
 
-    return _solve(predicted_ms, measured_ms, largest)
+    return lowest + _solve(predicted_ms, measured_ms, highest - lowest)
 
 
-def measure_host_overheads(calibration, network, control, backend: str) -> None:
-    """(Every rank; what counts is rank 0's.) Sets `calibration.per_action_ms` from a 1F1B pipeline of one
-    Linear(8, 8) per rank and 4 micro-batches, and `calibration.ps_per_step_ms` and `ps_ms_per_byte` from parameter
-    servers (half the ranks serving, BSP) of two Linear(8, 8) and then of two Linear(512, 512)."""
+def measure_host_overheads(calibration, network, control, backend: str) -> list:
+    """(Every rank; what counts is rank 0's.) Sets, in this order (each fitted with those before it):
+    `calibration.communication_scale` from DDP of four Linear(512, 512); `per_action_ms` from a 1F1B pipeline of
+    one Linear(8, 8) per rank and 4 micro-batches; `ps_per_step_ms` and `ps_ms_per_byte` from parameter servers
+    (half the ranks serving, BSP) of two Linear(8, 8), then of two Linear(512, 512). Returns those runs as
+    calibration samples (rank 0): with them, --verify's fit tells a parameter server's cost per step from its cost
+    per byte, which one model's runs alone barely can."""
+    samples = []
     world = dist.get_world_size()
     if world < 2:
-        return  # neither runs on one rank
-    # Each knob's bound is fit_calibration's (cost_model.cpp).
+        return samples  # none runs on one rank
+    # Each knob's bounds are fit_calibration's (cost_model.cpp).
     common = dict(world=world, replicas=1, tensor=1, schedule="1f1b", microbatches=_MICROBATCHES, virtual_stages=1,
                   balance=[], servers=0, synchronous=True)
+    # Collectives cost more while the ranks compute (and, with more ranks than cores, wait for the scheduler)
+    # than the probes of an otherwise idle process group measured.
+    calibration.communication_scale = _fitted(_linear_model(4, 512), dict(common, strategy="ddp"),
+                                              world * _DATA_PARALLEL_SAMPLES, network, calibration,
+                                              "communication_scale", (0.5, 4.0), control, backend, samples)
     calibration.per_action_ms = _fitted(_linear_model(world, 8), dict(common, strategy="pipeline",
                                                                       balance=[1] * world),
-                                        _MICROBATCHES * _SAMPLES, network, calibration, "per_action_ms", 2.0,
-                                        control, backend)
+                                        _MICROBATCHES * _SAMPLES, network, calibration, "per_action_ms", (0.0, 2.0),
+                                        control, backend, samples)
     # The parameter server's host time per step from tiny tables, then per byte (of its round trips) from 2 MiB.
     servers = world // 2
     parameter_server = dict(common, strategy="ps", servers=servers)
     batch = (world - servers) * _SAMPLES
     calibration.ps_per_step_ms = _fitted(_linear_model(2, 8), parameter_server, batch, network, calibration,
-                                         "ps_per_step_ms", 20.0, control, backend)
+                                         "ps_per_step_ms", (0.0, 20.0), control, backend, samples)
     calibration.ps_ms_per_byte = _fitted(_linear_model(2, 512), parameter_server, batch, network, calibration,
-                                         "ps_ms_per_byte", 2.0 / 2**20, control, backend)
+                                         "ps_ms_per_byte", (0.0, 2.0 / 2**20), control, backend, samples)
+    return samples
