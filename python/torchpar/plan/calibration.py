@@ -120,8 +120,13 @@ def configuration_from_fields(fields: dict):
     return configuration
 
 
+def calibration_fields(calibration: Calibration) -> dict:
+    """A Calibration as JSON fields."""
+    return {field: getattr(calibration, field) for field in FIELDS}
+
+
 def copy_calibration(calibration: Calibration) -> Calibration:
-    return _calibration_from({field: getattr(calibration, field) for field in FIELDS})
+    return _calibration_from(calibration_fields(calibration))
 
 
 def sample_from_json(fields: dict):
@@ -168,7 +173,7 @@ def learn(samples: Sequence, world: int, backend: str, path: pathlib.Path = FILE
             continue  # written by an older version: its successors will do
     kept = (kept + list(samples))[-KEPT_SAMPLES:]
     calibration = _engine.fit_calibration(kept, start or default_calibration(world))
-    saved[key] = dict(calibration={field: getattr(calibration, field) for field in FIELDS},
+    saved[key] = dict(calibration=calibration_fields(calibration),
                       samples=[sample_to_json(sample) for sample in kept])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar.allocator import keep_freed_memory
-from torchpar.plan.calibration import FIELDS as CALIBRATION_FIELDS, configuration_fields, configuration_from_fields
+from torchpar.plan.calibration import calibration_fields, configuration_fields, configuration_from_fields
 from torchpar.plan.calibration import describe as describe_calibration
 from torchpar.plan.host_overhead import measure_host_overheads
 
@@ -182,7 +182,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                   result.recommended_python, flush=True)
         report = dict(model=args.model, batch=args.batch, world=world, backend=args.backend,
                       memory_per_rank_cap=args.memory_per_rank,
-                      calibration={f: getattr(calibration, f) for f in CALIBRATION_FIELDS},
+                      calibration=calibration_fields(calibration),
                       calibration_learned=learned,
                       ranked=[prediction_fields(p) for p in result.ranked],
                       excluded=[dict(configuration=e.configuration.describe(), reason=e.reason)
@@ -252,7 +252,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                                                                batch=args.batch,
                                                                optimizer_ms_per_byte=optimizer_ms_per_byte,
                                                                calibration=learned)
-            report["learned_calibration"] = {f: getattr(learned, f) for f in CALIBRATION_FIELDS}
+            report["learned_calibration"] = calibration_fields(learned)
             report["calibration_samples"] = sample_count
             report["probe_samples"] = len(probes)
             print(f"verified (step ms): configuration | predicted | measured | error | calibrated | error | memory per "

@@ -48,7 +48,7 @@ def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: 
             control, backend: str, samples: list) -> float:
     """(Every rank; the answer on rank 0.) `fields` run for real on `model`, then the value of the calibration's
     `knob` within `bounds` under which the cost model predicts the step measured; the run joins `samples` (rank 0)."""
-    from torchpar.plan import _setup, calibration_sample, profile
+    from torchpar.plan import calibration_sample, profile
     from torchpar.plan.verify import measure
 
     configuration = configuration_from_fields(fields)
@@ -56,9 +56,10 @@ def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: 
     if dist.get_rank() != 0:
         return 0.0
     model_profile, optimizer_ms_per_byte = profile(model, batch // dist.get_world_size())
-    samples.append(calibration_sample(model, model_profile, network, configuration, batch=batch,
-                                      optimizer_ms_per_byte=optimizer_ms_per_byte, measured_ms=measured_ms))
-    setup = _setup(model, batch, optimizer_ms_per_byte)
+    sample = calibration_sample(model, model_profile, network, configuration, batch=batch,
+                                optimizer_ms_per_byte=optimizer_ms_per_byte, measured_ms=measured_ms)
+    samples.append(sample)
+    setup = sample.setup
     trial = copy_calibration(calibration)
     lowest, highest = bounds
 
