@@ -164,6 +164,18 @@ TEST_CASE("plan: a parameter server's step is the slower of a worker and a serve
   net.ps_ring_bytes = 2 * kMiB;  // payloads larger than the ring go through Gloo
   CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps).step_ms == Approx(20.2));
 
+  // A table of sparse rows adds the calibration's fixed cost of their pull and push to a worker's step
+  // (here the bottleneck), and nothing to a model without one.
+  plan::Calibration rows_cost;
+  rows_cost.ps_rows_ms = 3;
+  net.ps_ring_bytes = 64 * kMiB;
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps, rows_cost).step_ms == Approx(13.23125));
+  auto with_rows = equal_layers(2, 2 * kMiB);
+  with_rows.layers[0].sparse_parameter_bytes = 2 * kMiB;
+  with_rows.layers[0].sparse_bytes_per_sample = 1024;
+  const double without_cost = plan::predict(with_rows, net, setup, ps).step_ms;
+  CHECK(plan::predict(with_rows, net, setup, ps, rows_cost).step_ms == Approx(without_cost + 3));
+
   ps.world = 4;  // 3 workers of 8 / 3 samples do not divide
   CHECK_THROWS_WITH(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps),
                     Contains("does not divide into 3 workers"));

@@ -51,6 +51,8 @@ def test_a_wide_embedding_over_the_memory_cap_goes_to_the_parameter_server(tmp_p
     assert "over the 120.0 MiB cap" in reasons["ps bsp, 3 workers + 1 server"], reasons
     assert "torchpar.ps.ParameterService(servers=2" in output
     assert "torchpar.ps.Embedding(service.client" in output and "torchpar::ps::Embedding" in output
+    # Its sparse rows' own round trips were measured before planning: a fifth probe, of an embedding.
+    assert report["probe_samples"] == 5, output
 
 
 def test_what_does_not_divide_is_excluded_by_name(tmp_path):
@@ -147,3 +149,12 @@ def test_the_host_overhead_is_where_the_prediction_meets_the_measurement():
     assert abs(_solve(predicted, 2.5, 2.0) - 0.5) < 1e-6
     assert _solve(predicted, 0.5, 2.0) == 0.0  # measured below the prediction without any: none
     assert abs(_solve(predicted, 100.0, 2.0) - 2.0) < 1e-6  # capped at the calibration's bound
+
+
+def test_quick_configurations_are_verified_over_more_steps():
+    from torchpar.plan.cli import timed_steps
+
+    assert timed_steps(100.0, 5) == (2, 5)    # slow steps: --steps of them
+    assert timed_steps(20.0, 8) == (3, 13)    # ~0.25 s of steps, a quarter as many first untimed
+    assert timed_steps(2.0, 5) == (12, 50)    # quick steps: at most 50
+    assert timed_steps(0.0, 5) == (12, 50)

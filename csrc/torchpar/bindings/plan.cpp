@@ -66,7 +66,8 @@ void bind_plan(py::module_& module) {
       .def_readwrite("per_transfer_ms", &plan::Calibration::per_transfer_ms)
       .def_readwrite("per_step_ms", &plan::Calibration::per_step_ms)
       .def_readwrite("ps_ms_per_byte", &plan::Calibration::ps_ms_per_byte)
-      .def_readwrite("ps_per_step_ms", &plan::Calibration::ps_per_step_ms);
+      .def_readwrite("ps_per_step_ms", &plan::Calibration::ps_per_step_ms)
+      .def_readwrite("ps_rows_ms", &plan::Calibration::ps_rows_ms);
   py::class_<plan::TrainingSetup>(m, "TrainingSetup")
       .def(py::init<>())
       .def_readwrite("batch", &plan::TrainingSetup::batch)

@@ -447,7 +447,7 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
   const auto step = overlapped_step(dense, samples, {static_cast<size_t>(configuration.bucket_bytes)}, calibration,
                                     0.0, round_trip_ms);
   // The touched rows: pulled before forward, their gradients pushed (and applied) after backward.
-  const double rows_ms = touched > 0 ? 2 * round_trip_ms(touched) : 0.0;
+  const double rows_ms = touched > 0 ? 2 * round_trip_ms(touched) + calibration.ps_rows_ms : 0.0;
   // Each server receives every worker's push of its share and answers every pull, and applies the
   // optimizer to its share once per step (synchronous) or per push (asynchronous); and the same for the
   // rows each worker touched.
@@ -584,7 +584,8 @@ Calibration fit_calibration(const std::vector<CalibrationSample>& samples, const
                         {&Calibration::per_transfer_ms, 0.0, 2.0, 0.001, 1.0},
                         {&Calibration::per_step_ms, 0.0, 5.0, 0.002, 5.0},
                         {&Calibration::ps_ms_per_byte, 0.0, 2.0 / (1 << 20), 0.002 / (1 << 20), 1.0 / (1 << 20)},
-                        {&Calibration::ps_per_step_ms, 0.0, 20.0, 0.005, 5.0}};
+                        {&Calibration::ps_per_step_ms, 0.0, 20.0, 0.005, 5.0},
+                        {&Calibration::ps_rows_ms, 0.0, 20.0, 0.005, 5.0}};
   // Mean squared relative error (smooth, so a compass search does not stall on a kink), plus a small
   // pull towards `start`, so that a few noisy samples do not swing knobs they barely constrain.
   const auto error = [&](const Calibration& calibration) {

@@ -89,6 +89,9 @@ struct NetworkProfile {
 //                       measured copies and optimizer (encoding, request checks, the table's update)
 //   ps_per_step_ms      a parameter server's fixed cost per step (its requests' dispatch, BSP's wait for
 //                       the slowest worker)
+//   ps_rows_ms          its fixed cost per step for sparse rows: the rows' pull before forward and push
+//                       after backward, each a round trip of its own (the requests' dispatch and the
+//                       wake-ups of ranks sharing cores, which the link's α, measured idle, does not see)
 struct Calibration {
   double compute_scale = 1.0;
   double communication_scale = 1.0;
@@ -98,6 +101,7 @@ struct Calibration {
   double per_step_ms = 0.0;
   double ps_ms_per_byte = 0.0;
   double ps_per_step_ms = 0.0;
+  double ps_rows_ms = 0.0;
 };
 
 // Bytes of optimizer state per parameter byte: SGD 0 (1 with momentum), Adam/AdamW 2.
@@ -180,7 +184,7 @@ struct CalibrationSample {
 // The calibration under which the predictions of `samples` (from any models and runs on one machine)
 // come closest to what was measured (least mean relative error; coordinate descent from `start` over
 // compute_scale and communication_scale in [0.5, 4], overlap in [0, 1], per_action_ms and per_transfer_ms in [0, 2] ms,
-// per_step_ms in [0, 5] ms, ps_ms_per_byte in [0, 2] ms/MiB, ps_per_step_ms in [0, 20] ms).
+// per_step_ms in [0, 5] ms, ps_ms_per_byte in [0, 2] ms/MiB, ps_per_step_ms and ps_rows_ms in [0, 20] ms).
 Calibration fit_calibration(const std::vector<CalibrationSample>& samples, const Calibration& start = {});
 
 // Gradient buckets of DDP (or pushes of RemoteParameters) overlapping backward: bucket k becomes ready

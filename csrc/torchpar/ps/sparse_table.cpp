@@ -105,19 +105,25 @@ void SparseTable::grow(int64_t rows) {
 at::Tensor SparseTable::slots_of(const int64_t* ids, int64_t count) {
   auto slots = at::empty({count}, at::kLong);
   auto* out = slots.data_ptr<int64_t>();
-  std::vector<double> row(dim_);
+  const auto first_new = static_cast<int64_t>(ids_.size());
   for (int64_t i = 0; i < count; ++i) {
     auto [entry, created] = slot_of_.emplace(ids[i], static_cast<int64_t>(ids_.size()));
     if (created) {
-      grow(static_cast<int64_t>(ids_.size()) + 1);
       ids_.push_back(ids[i]);
-      initialize_row(initializer_, ids[i], row.data(), dim_);
-      values_[entry->second].copy_(at::from_blob(row.data(), {dim_}, at::kDouble));
-      if (state_.sum.defined()) {
-        state_.sum[entry->second].fill_(optimizer().initial_accumulator);
-      }
     }
     out[i] = entry->second;
+  }
+  // New rows take the slots after the old ones: initialized together and stored with one copy, as a
+  // tensor operation per row would cost more than the row itself.
+  const int64_t created = static_cast<int64_t>(ids_.size()) - first_new;
+  if (created > 0) {
+    grow(static_cast<int64_t>(ids_.size()));
+    values_.narrow(0, first_new, created).copy_(initial_rows(initializer_, at::from_blob(ids_.data() + first_new,
+                                                                                         {created}, at::kLong),
+                                                             dim_));
+    if (state_.sum.defined()) {
+      state_.sum.narrow(0, first_new, created).fill_(optimizer().initial_accumulator);
+    }
   }
   return slots;
 }

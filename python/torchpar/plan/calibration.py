@@ -18,7 +18,7 @@ from torchpar._C import plan as _engine
 
 Calibration = _engine.Calibration
 FIELDS = ("compute_scale", "communication_scale", "overlap", "per_action_ms", "per_transfer_ms", "per_step_ms",
-          "ps_ms_per_byte", "ps_per_step_ms")
+          "ps_ms_per_byte", "ps_per_step_ms", "ps_rows_ms")
 FILE = pathlib.Path(os.environ.get("TORCHPAR_PLAN_CALIBRATION",
                                    pathlib.Path.home() / ".cache" / "torchpar" / "plan_calibration.json"))
 KEPT_SAMPLES = 60  # the most recent per key: the machine may change under it
@@ -44,7 +44,8 @@ def describe(calibration: Calibration) -> str:
             f"{100 * calibration.overlap:.0f}% of communication "
             f"overlapped, {calibration.per_action_ms:.2f} ms per pipeline action, {calibration.per_transfer_ms:.2f} "
             f"ms per transfer, {calibration.per_step_ms:.2f} ms per step, parameter server "
-            f"+{calibration.ps_ms_per_byte * 2**20:.2f} ms/MiB and +{calibration.ps_per_step_ms:.2f} ms per step")
+            f"+{calibration.ps_ms_per_byte * 2**20:.2f} ms/MiB, +{calibration.ps_per_step_ms:.2f} ms per step and "
+            f"+{calibration.ps_rows_ms:.2f} ms per step of sparse rows")
 
 
 # Samples of version 1 were measured with glibc trimming freed memory (before the planner kept it): their steps

@@ -34,6 +34,18 @@ from torchpar.plan.calibration import calibration_fields, configuration_fields, 
 from torchpar.plan.calibration import describe as describe_calibration
 from torchpar.plan.host_overhead import measure_host_overheads
 
+# A verified configuration's median is taken over at least --steps steps, and over more where its steps are quick
+# (by its prediction): up to this long a run, at most this many steps, a quarter of them as warmup. A median of 5
+# steps of a few milliseconds moved by 30-50% between runs here (ranks sharing cores wake each other late).
+_TIMED_MS = 250.0
+_MOST_STEPS = 50
+
+
+def timed_steps(predicted_ms: float, fewest: int) -> tuple[int, int]:
+    """(warmup, steps) for a configuration predicted to step in `predicted_ms`."""
+    steps = max(fewest, min(_MOST_STEPS, math.ceil(_TIMED_MS / max(predicted_ms, 1e-3))))
+    return max(2, steps // 4), steps
+
 logger = logging.getLogger("torchpar.plan")
 UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
@@ -56,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--verify-each-strategy", action="store_true",
                         help="also verify the best configuration of every strategy (ddp, pipeline, ps, tensor, "
                              "pipeline x tensor) outside the top K")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per verified configuration")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per verified configuration, at least "
+                        "(more where its steps are quick: up to 0.25 s of them)")
     parser.add_argument("--backend", choices=["gloo", "shm"], default="gloo")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("torchpar-plan"))
     return parser.parse_args(argv)
@@ -148,17 +161,18 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     # with unless earlier --verify runs taught one, and where this run's --verify fit starts.
     calibration = planner.load_calibration(world, args.backend) if rank == 0 else None
     verifying = args.verify > 0 or args.verify_each_strategy
-    needs_default = [calibration is None or verifying]
+    sparse_rows = rank == 0 and any(layer.sparse_parameter_bytes > 0 for layer in model_profile.layers)
+    needs_default = [calibration is None or verifying, sparse_rows]
     dist.broadcast_object_list(needs_default, src=0, group=control)
     default = planner.default_calibration(world)
     probes = []  # the runs behind the default, as calibration samples
     if needs_default[0]:
-        probes = measure_host_overheads(default, network, control, args.backend)
+        probes = measure_host_overheads(default, network, control, args.backend, sparse_rows=needs_default[1])
         if rank == 0:
             logger.info("the engines' host time, measured on these ranks: collectives while computing x %.2f, "
-                        "%.2f ms per pipeline action; parameter server %.2f ms per step and %.2f ms/MiB",
-                        default.communication_scale, default.per_action_ms, default.ps_per_step_ms,
-                        default.ps_ms_per_byte * 2**20)
+                        "%.2f ms per pipeline action; parameter server %.2f ms per step, %.2f ms/MiB and %.2f ms "
+                        "per step of sparse rows", default.communication_scale, default.per_action_ms,
+                        default.ps_per_step_ms, default.ps_ms_per_byte * 2**20, default.ps_rows_ms)
     if rank == 0:
         logger.info("the whole model's forward and backward: %.2f ms alone, %.2f ms with %d ranks at once; the "
                     "layers one at a time: %.2f ms (scaled to the whole model's alone)", passes.alone_ms,
@@ -184,6 +198,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                       memory_per_rank_cap=args.memory_per_rank,
                       calibration=calibration_fields(calibration),
                       calibration_learned=learned,
+                      probe_samples=len(probes),
                       ranked=[prediction_fields(p) for p in result.ranked],
                       excluded=[dict(configuration=e.configuration.describe(), reason=e.reason)
                                 for e in result.excluded],
@@ -224,8 +239,10 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         order = list(range(len(chosen[0])))
         with tqdm(total=2 * len(order), desc="verify", unit="config", disable=rank != 0) as progress:
             for index in order + order[::-1]:
+                warmup, steps = timed_steps(chosen[0][index]["step_ms"], args.steps)
                 rounds[index].append(measure(model, configuration_from_fields(chosen[0][index]["fields"]), args.batch,
-                                             args.backend, control, steps=args.steps, tensor_roles=chosen[1][index]))
+                                             args.backend, control, warmup=warmup, steps=steps,
+                                             tensor_roles=chosen[1][index]))
                 progress.update()
         levels.append(planner.measure_model_pass(model, per_rank, control))
         measured = [Measurement(statistics.mean(m.step_ms for m in both), max(m.memory_bytes for m in both))
@@ -254,7 +271,6 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                                                                calibration=learned)
             report["learned_calibration"] = calibration_fields(learned)
             report["calibration_samples"] = sample_count
-            report["probe_samples"] = len(probes)
             print(f"verified (step ms): configuration | predicted | measured | error | calibrated | error | memory per "
                   f"rank predicted | measured (resident set's growth)\n"
                   f"  (predicted: with the calibration above; calibrated: fitted to {sample_count} runs on this "

@@ -130,8 +130,10 @@ def _parameter_server(model: Model, configuration, batch: int, warmup: int, step
     else:
         optimizer = (torchpar.ps.Adam(lr=model.lr) if model.optimizer == "adam"
                      else torchpar.ps.SGD(lr=model.lr, momentum=0.9))
-        # The first layer's embeddings as sparse tables on the servers, as the cost model counts them.
-        first = with_remote_embeddings(copy.deepcopy(model.build(0)), service.client, optimizer, "embedding")
+        # The first layer's embeddings as sparse tables on the servers, as the cost model counts them (sparse rows
+        # take SGD without momentum).
+        rows_optimizer = optimizer if model.optimizer == "adam" else torchpar.ps.SGD(lr=model.lr)
+        first = with_remote_embeddings(copy.deepcopy(model.build(0)), service.client, rows_optimizer, "embedding")
         net = nn.Sequential(first, *[copy.deepcopy(model.build(i)) for i in range(1, len(model.layers))])
         parameters = torchpar.ps.RemoteParameters(net, service.client, optimizer)
         x, y = model.sample(batch // workers)
