@@ -181,7 +181,7 @@ TEST_CASE("plan: a parameter server's step is the slower of a worker and a serve
                     Contains("does not divide into 3 workers"));
 }
 
-TEST_CASE("plan: compute slows with the ranks computing at once, communication with the ranks' load") {
+TEST_CASE("plan: compute and communication slow with the ranks computing at once") {
   auto model = equal_layers(2, 2 * kMiB);
   model.contention = 2.0;  // measured: twice as slow with every rank computing
   plan::Configuration ddp;
@@ -206,6 +206,16 @@ TEST_CASE("plan: compute slows with the ranks computing at once, communication w
   const auto two_alone = plan::predict(equal_layers(2, 2 * kMiB), network(0, 0), batch_of(8), pipe);
   CHECK(two_alone.bubble_fraction == Approx(1.0 / 3));
   CHECK(plan::predict(model, network(0, 0), batch_of(8), pipe).step_ms == Approx(two_alone.step_ms * 4 / 3));
+
+  // Its transfers (and a tensor group's collectives) slow with the load likewise: with 1 micro-batch one
+  // rank computes at a time, and the loaded network costs what the idle one does.
+  pipe.microbatches = 1;
+  const auto idle = plan::predict(model, network(0.5, 1), batch_of(8), pipe);
+  CHECK(idle.step_ms > alone.step_ms);  // the transfers count
+  CHECK(plan::predict(model, network(0.5, 1), batch_of(8), pipe, loaded).step_ms == Approx(idle.step_ms));
+  pipe.microbatches = 2;
+  CHECK(plan::predict(model, network(0.5, 1), batch_of(8), pipe, loaded).step_ms >
+        plan::predict(model, network(0.5, 1), batch_of(8), pipe).step_ms);
 }
 
 TEST_CASE("plan: a profile scaled to a measured pass keeps its shape") {

@@ -51,8 +51,6 @@ def test_a_wide_embedding_over_the_memory_cap_goes_to_the_parameter_server(tmp_p
     assert "over the 120.0 MiB cap" in reasons["ps bsp, 3 workers + 1 server"], reasons
     assert "torchpar.ps.ParameterService(servers=2" in output
     assert "torchpar.ps.Embedding(service.client" in output and "torchpar::ps::Embedding" in output
-    # Its sparse rows' own round trips were measured before planning: a fifth probe, of an embedding.
-    assert report["probe_samples"] == 5, output
 
 
 def test_what_does_not_divide_is_excluded_by_name(tmp_path):
@@ -84,13 +82,14 @@ def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
     # configuration as a sample that later --verify runs refit with theirs.
     kept = list(json.loads((tmp_path / "calibration.json").read_text()).values())[0]
     assert kept["calibration"] == report["learned_calibration"]
-    # The runs that measured the host times are samples too (DDP, a pipeline, two parameter servers).
-    assert report["probe_samples"] == 4
-    assert len(kept["samples"]) == len(report["verified"]) + 4 == report["calibration_samples"]
+    # The runs that measured the host times are samples too (DDP, a pipeline, parameter servers of two sizes and
+    # of an embedding's sparse rows).
+    assert report["probe_samples"] == 5
+    assert len(kept["samples"]) == len(report["verified"]) + 5 == report["calibration_samples"]
     again_report, again = plan(tmp_path, "digits_mlp", "--batch", 64, "--world", 2, "--verify", 1, "--steps", 2)
     assert "calibration from earlier --verify runs" in again
     assert again_report["calibration"] == report["learned_calibration"]
-    assert again_report["calibration_samples"] == report["calibration_samples"] + 4 + 1
+    assert again_report["calibration_samples"] == report["calibration_samples"] + 5 + 1
     # A plan without --verify that has a learned calibration does not measure the host times it would not use.
     _, plain = plan(tmp_path, "digits_mlp", "--batch", 64, "--world", 2)
     assert "calibration from earlier --verify runs" in plain

@@ -43,12 +43,16 @@ Calibration with_contention(const ModelProfile& model, const Calibration& calibr
   return effective;
 }
 
-// The process group's operations while the ranks compute.
-NetworkProfile under_load(const NetworkProfile& network, const Calibration& calibration) {
+// The process group's operations while the ranks compute; with `busy` of the world's ranks computing, the
+// load in proportion (as with_contention's compute).
+NetworkProfile under_load(const NetworkProfile& network, const Calibration& calibration, double busy = 0,
+                          int world = 0) {
+  const double share = world > 1 ? std::clamp((busy - 1) / (world - 1), 0.0, 1.0) : 1.0;
+  const double scale = 1 + (calibration.communication_scale - 1) * share;
   NetworkProfile loaded = network;
   for (LinkCost* link : {&loaded.all_reduce, &loaded.send_recv, &loaded.all_gather, &loaded.reduce_scatter}) {
-    link->alpha_ms *= calibration.communication_scale;
-    link->ms_per_byte *= calibration.communication_scale;
+    link->alpha_ms *= scale;
+    link->ms_per_byte *= scale;
   }
   return loaded;
 }
@@ -283,7 +287,6 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
   const int replicas = configuration.replicas;
   const int tensor = configuration.tensor;
   const auto network = under_load(idle_network, given);
-  const auto tensor_network = within_group(network, configuration.world, tensor);
   const auto replica_network = within_group(network, configuration.world, replicas);
   TORCH_CHECK(replicas > 0 && tensor > 0 && configuration.world % (replicas * tensor) == 0, replicas,
               " replicas x ", tensor, " tensor ranks do not divide ", configuration.world, " ranks");
@@ -316,6 +319,9 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
   // The stages' costs with `busy` of the world's ranks computing at once.
   const auto stage_costs = [&](double busy) {
     const auto calibration = with_contention(model, given, busy, configuration.world);
+    // A tensor group's collectives run while the pipeline's other ranks wait in its bubble.
+    const auto busy_network = under_load(idle_network, given, busy, configuration.world);
+    const auto tensor_network = within_group(busy_network, configuration.world, tensor);
     std::vector<pipeline::ActionCosts> costs(static_cast<size_t>(stages));
     for (int stage = 0; stage < stages; ++stage) {
       auto& cost = costs[static_cast<size_t>(stage)];
@@ -340,15 +346,18 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
       const int64_t forward_bytes = stage + 1 < stages ? boundary_bytes(bounds[static_cast<size_t>(stage) + 1] - 1) : 0;
       const int64_t backward_bytes = stage > 0 ? boundary_bytes(bounds[static_cast<size_t>(stage)] - 1) : 0;
       const auto sent = static_cast<double>(std::max(forward_bytes, backward_bytes));
-      cost.transfer = stages > 1 ? network.send_recv.milliseconds(sent) + calibration.per_transfer_ms : 0.0;
+      cost.transfer = stages > 1 ? busy_network.send_recv.milliseconds(sent) + calibration.per_transfer_ms : 0.0;
     }
     return costs;
   };
   // How many ranks compute at once follows from the bubble: simulate alone, then with that many busy.
   const double alone_bubble = pipeline::simulate(spec, stage_costs(1)).bubble_fraction;
-  const auto costs = stage_costs(configuration.world * (1 - alone_bubble));
+  const double busy = configuration.world * (1 - alone_bubble);
+  const auto costs = stage_costs(busy);
   const auto simulation = pipeline::simulate(spec, costs);
-  const auto calibration = with_contention(model, given, configuration.world * (1 - alone_bubble), configuration.world);
+  const auto calibration = with_contention(model, given, busy, configuration.world);
+  const auto tensor_network =
+      within_group(under_load(idle_network, given, busy, configuration.world), configuration.world, tensor);
 
   Prediction prediction;
   prediction.configuration = configuration;

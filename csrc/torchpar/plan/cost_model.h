@@ -75,8 +75,9 @@ struct NetworkProfile {
 // What the model learns from measured runs (plan --verify), applied to every prediction:
 //   compute_scale       compute in a strategy's step / the profile's (with its contention): what
 //                       the step adds around the layers (Python hooks, the schedule's own work)
-//   communication_scale the process group's operations while ranks compute / idle (ranks sharing
-//                       cores wait for the scheduler between the hops of a collective)
+//   communication_scale the process group's operations while every rank computes / idle (ranks sharing
+//                       cores wait for the scheduler between the hops of a collective); a pipeline's,
+//                       in proportion to the ranks its bubble leaves computing
 //   overlap             the share of gradient communication (DDP's all-reduces, a worker's pushes and
 //                       pulls) that hides behind backward: 1 when every rank has a spare core for its
 //                       communication thread, 0 when that thread takes the core backward runs on

@@ -161,13 +161,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     # with unless earlier --verify runs taught one, and where this run's --verify fit starts.
     calibration = planner.load_calibration(world, args.backend) if rank == 0 else None
     verifying = args.verify > 0 or args.verify_each_strategy
-    sparse_rows = rank == 0 and any(layer.sparse_parameter_bytes > 0 for layer in model_profile.layers)
-    needs_default = [calibration is None or verifying, sparse_rows]
+    needs_default = [calibration is None or verifying]
     dist.broadcast_object_list(needs_default, src=0, group=control)
     default = planner.default_calibration(world)
     probes = []  # the runs behind the default, as calibration samples
     if needs_default[0]:
-        probes = measure_host_overheads(default, network, control, args.backend, sparse_rows=needs_default[1])
+        probes = measure_host_overheads(default, network, control, args.backend)
         if rank == 0:
             logger.info("the engines' host time, measured on these ranks: collectives while computing x %.2f, "
                         "%.2f ms per pipeline action; parameter server %.2f ms per step, %.2f ms/MiB and %.2f ms "

@@ -77,13 +77,13 @@ def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: 
     return lowest + _solve(predicted_ms, measured_ms, highest - lowest)
 
 
-def measure_host_overheads(calibration, network, control, backend: str, sparse_rows: bool = False) -> list:
+def measure_host_overheads(calibration, network, control, backend: str) -> list:
     """(Every rank; what counts is rank 0's.) Sets, in this order (each fitted with those before it):
     `calibration.communication_scale` from DDP of four Linear(512, 512); `per_action_ms` from a 1F1B pipeline of
     one Linear(8, 8) per rank and 4 micro-batches; `ps_per_step_ms` and `ps_ms_per_byte` from parameter servers
-    (half the ranks serving, BSP) of two Linear(8, 8), then of two Linear(512, 512); and where the model has
-    `sparse_rows`, `ps_rows_ms` from one of a 4096 x 8 embedding (8 ids per sample) under a Linear(8, 8). Returns
-    those runs as
+    (half the ranks serving, BSP) of two Linear(8, 8), then of two Linear(512, 512); `ps_rows_ms` from one of a
+    4096 x 8 embedding (8 ids per sample) under a Linear(8, 8), whatever the model (a calibration learned from
+    these runs applies to later plans of any model). Returns those runs as
     calibration samples (rank 0): with them, --verify's fit tells a parameter server's cost per step from its cost
     per byte, which one model's runs alone barely can."""
     samples = []
@@ -110,8 +110,7 @@ def measure_host_overheads(calibration, network, control, backend: str, sparse_r
                                          "ps_per_step_ms", (0.0, 20.0), control, backend, samples)
     calibration.ps_ms_per_byte = _fitted(_linear_model(2, 512), parameter_server, batch, network, calibration,
                                          "ps_ms_per_byte", (0.0, 2.0 / 2**20), control, backend, samples)
-    if sparse_rows:
-        # Rows are pulled before forward and pushed after backward, round trips of their own.
-        calibration.ps_rows_ms = _fitted(_embedding_model(4096, 8, 8), parameter_server, batch, network, calibration,
-                                         "ps_rows_ms", (0.0, 20.0), control, backend, samples)
+    # Sparse rows are pulled before forward and pushed after backward, round trips of their own.
+    calibration.ps_rows_ms = _fitted(_embedding_model(4096, 8, 8), parameter_server, batch, network, calibration,
+                                     "ps_rows_ms", (0.0, 20.0), control, backend, samples)
     return samples
