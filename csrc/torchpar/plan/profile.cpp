@@ -69,9 +69,12 @@ double median_ms(int repeats, const std::function<void()>& run) {
 
 // For the process group's operations: a step sums many of them, so its time holds their means, and
 // their times have a long tail (Gloo's all-reduce of 4 KiB on 2 ranks of this 2-core machine: median
-// 0.40 ms, mean 1.78 ms, p90 4.0 ms).
-double mean_ms(int repeats, const std::function<void()>& run) {
-  const auto samples = timed_runs_ms(repeats, run);
+// 0.40 ms, mean 1.78 ms, p90 4.0 ms). But not the slowest tenth: a few stalls of tens of milliseconds
+// (the machine's neighbours) made one plan's transfer α 2.5 ms where others read 0.05-0.3.
+double mean_without_stalls_ms(int repeats, const std::function<void()>& run) {
+  auto samples = timed_runs_ms(repeats, run);
+  std::sort(samples.begin(), samples.end());
+  samples.resize(samples.size() - samples.size() / 10);
   return std::accumulate(samples.begin(), samples.end(), 0.0) / static_cast<double>(samples.size());
 }
 
@@ -218,7 +221,7 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
   const auto timed_if = [&](bool& supported, const std::function<void()>& op) {
     if (!supported) return 0.0;
     try {
-      return mean_ms(repeats, op);
+      return mean_without_stalls_ms(repeats, op);
     } catch (const c10::Error&) {
       supported = false;
       return 0.0;
@@ -231,7 +234,7 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
     const int transfers = size <= kSmallMessageBytes ? 4 * repeats : repeats;
     std::vector<at::Tensor> buffer{at::zeros({std::max<int64_t>(world, size / 4 / world * world)}, at::kFloat)};
     group->barrier()->wait();
-    const double reduce = mean_ms(repeats, [&] { group->allreduce(buffer)->wait(); });
+    const double reduce = mean_without_stalls_ms(repeats, [&] { group->allreduce(buffer)->wait(); });
     // All-gather into, and reduce-scatter from, a tensor of the same bytes: a rank's piece is 1 / world.
     std::vector<at::Tensor> piece{buffer[0].narrow(0, 0, buffer[0].numel() / world).clone()};
     std::vector<std::vector<at::Tensor>> pieces{std::vector<at::Tensor>(world, piece[0])};
@@ -243,7 +246,7 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
     group->barrier()->wait();
     double pingpong = 0;
     if (rank < 2) {
-      pingpong = mean_ms(transfers, [&] {
+      pingpong = mean_without_stalls_ms(transfers, [&] {
         if (rank == 0) {
           group->send(buffer, 1, 0)->wait();
           group->recv(buffer, 1, 0)->wait();
@@ -255,7 +258,7 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
     }
     group->barrier()->wait();
     auto destination = at::empty_like(buffer[0]);
-    const double copy = mean_ms(repeats, [&] { destination.copy_(buffer[0]); });
+    const double copy = mean_without_stalls_ms(repeats, [&] { destination.copy_(buffer[0]); });
     sizes.push_back(static_cast<double>(buffer[0].nbytes()));
     all_reduce_ms.push_back(slowest(reduce));
     transfer_ms.push_back(slowest(pingpong));

@@ -49,8 +49,9 @@ def describe(calibration: Calibration) -> str:
 
 
 # Samples of version 1 were measured with glibc trimming freed memory (before the planner kept it): their steps
-# ran up to 2x slower, by how much depending on what the process had allocated before.
-SAMPLES_VERSION = 2
+# ran up to 2x slower, by how much depending on what the process had allocated before. Those of version 2 hold
+# networks probed by plain means, which a few stalls of the machine moved up to 10x.
+SAMPLES_VERSION = 3
 
 
 def _key(world: int, backend: str) -> str:
