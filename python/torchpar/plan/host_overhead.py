@@ -26,6 +26,10 @@ from torchpar.plan.model import Model
 _MICROBATCHES = 4
 _SAMPLES = 4  # per micro-batch, or per parameter-server worker
 _DATA_PARALLEL_SAMPLES = 16  # per rank
+# Steps of a few milliseconds each: the median of 20 after 3 (the process's first pipeline, its setup not yet
+# paid) read a pipeline probe 4.8-8.7 and 4.9-10.8 ms in six runs in a row, of 60 after 10, 4.6-5.8 and 5.1-8.3.
+_PROBE_STEPS = 60
+_DATA_PARALLEL_PROBE_STEPS = 20  # of ~10-40 ms
 
 
 def _linear_model(layers: int, width: int) -> Model:
@@ -52,14 +56,15 @@ def _solve(predicted_ms: Callable[[float], float], measured_ms: float, largest: 
 
 
 def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: str, bounds: tuple[float, float],
-            control, backend: str, samples: list) -> float:
-    """(Every rank; the answer on rank 0.) `fields` run for real on `model`, then the value of the calibration's
-    `knob` within `bounds` under which the cost model predicts the step measured; the run joins `samples` (rank 0)."""
+            control, backend: str, samples: list, steps: int = _PROBE_STEPS) -> float:
+    """(Every rank; the answer on rank 0.) `fields` run for real on `model` (the median of `steps` steps after a
+    sixth as many), then the value of the calibration's `knob` within `bounds` under which the cost model predicts
+    the step measured; the run joins `samples` (rank 0)."""
     from torchpar.plan import calibration_sample, profile
     from torchpar.plan.verify import measure
 
     configuration = configuration_from_fields(fields)
-    measured_ms = measure(model, configuration, batch, backend, control, warmup=3, steps=20).step_ms
+    measured_ms = measure(model, configuration, batch, backend, control, warmup=steps // 6, steps=steps).step_ms
     if dist.get_rank() != 0:
         return 0.0
     model_profile, optimizer_ms_per_byte = profile(model, batch // dist.get_world_size())
@@ -97,7 +102,8 @@ def measure_host_overheads(calibration, network, control, backend: str) -> list:
     # than the probes of an otherwise idle process group measured.
     calibration.communication_scale = _fitted(_linear_model(4, 512), dict(common, strategy="ddp"),
                                               world * _DATA_PARALLEL_SAMPLES, network, calibration,
-                                              "communication_scale", (0.5, 4.0), control, backend, samples)
+                                              "communication_scale", (0.5, 4.0), control, backend, samples,
+                                              steps=_DATA_PARALLEL_PROBE_STEPS)
     calibration.per_action_ms = _fitted(_linear_model(world, 8), dict(common, strategy="pipeline",
                                                                       balance=[1] * world),
                                         _MICROBATCHES * _SAMPLES, network, calibration, "per_action_ms", (0.0, 2.0),
