@@ -69,13 +69,16 @@ double median_ms(int repeats, const std::function<void()>& run) {
 
 // For the process group's operations: a step sums many of them, so its time holds their means, and
 // their times have a long tail (Gloo's all-reduce of 4 KiB on 2 ranks of this 2-core machine: median
-// 0.40 ms, mean 1.78 ms, p90 4.0 ms). But not the slowest tenth: a few stalls of tens of milliseconds
-// (the machine's neighbours) made one plan's transfer α 2.5 ms where others read 0.05-0.3.
+// 0.40 ms, mean 1.78 ms, p90 4.0 ms). But a run counts at most 20 x the median: a few stalls of tens of
+// milliseconds (the machine's neighbours) made one plan's transfer α 2.5 ms where others read 0.05-0.3,
+// and leaving out the slowest tenth instead cut the all-reduce's real tail (2 ranks: α 0.4-0.6 ms, steps
+// of tensor parallelism then predicted 50% fast).
 double mean_without_stalls_ms(int repeats, const std::function<void()>& run) {
   auto samples = timed_runs_ms(repeats, run);
-  std::sort(samples.begin(), samples.end());
-  samples.resize(samples.size() - samples.size() / 10);
-  return std::accumulate(samples.begin(), samples.end(), 0.0) / static_cast<double>(samples.size());
+  const double most = 20 * median(samples);
+  double sum = 0;
+  for (const double sample : samples) sum += std::min(sample, most);
+  return sum / static_cast<double>(samples.size());
 }
 
 // One pass of profiling at the sample's batch; `all_parameters` collects the layers' parameters.
