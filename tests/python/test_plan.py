@@ -76,6 +76,7 @@ def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
     # probes), not left at the zero host time of a bare calibration. (The parameter server's time per step may
     # come out zero where the communication x fitted before it already accounts for its tiny probe.)
     assert report["calibration"]["per_action_ms"] > 0, output
+    assert report["machine_drift"] >= 1.0  # how far the machine's speed moved during the verification
     assert "predicted against measured" not in output  # the plot's title, not stdout
     assert "verified (step ms)" in output and "the top-ranked configuration measured" in output
     # What it learned is kept for the next plan on this machine, which says it uses it, with every verified
@@ -157,3 +158,16 @@ def test_quick_configurations_are_verified_over_more_steps():
     assert timed_steps(20.0, 8) == (3, 13)    # ~0.25 s of steps, a quarter as many first untimed
     assert timed_steps(2.0, 5) == (12, 50)    # quick steps: at most 50
     assert timed_steps(0.0, 5) == (12, 50)
+
+
+def test_the_machine_drifting_during_the_verification_is_measured():
+    from types import SimpleNamespace
+
+    from torchpar.plan.cli import machine_drift
+
+    def passes(alone, together):
+        return SimpleNamespace(alone_ms=alone, together_ms=together)
+
+    assert machine_drift(passes(7.0, 7.4), passes(7.0, 7.4)) == 1.0
+    assert machine_drift(passes(7.0, 7.4), passes(11.05, 9.9)) == 11.05 / 7.0   # slower after
+    assert machine_drift(passes(8.0, 16.0), passes(8.0, 8.0)) == 2.0            # faster after, together

@@ -127,6 +127,17 @@ def plot(report: dict, path: pathlib.Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+# Passes before and after the verification further apart than this: the machine's speed moved meanwhile (a shared
+# host's neighbours; here up to 1.6x within one run).
+_STEADY_DRIFT = 1.2
+
+
+def machine_drift(before, after) -> float:
+    """How far apart (a ratio, at least 1) the whole model's passes timed before and after the verification are."""
+    ratios = [after.alone_ms / before.alone_ms, after.together_ms / before.together_ms]
+    return max(max(ratios), 1 / min(ratios))
+
+
 def verification_profile(model_profile, before, after):
     """The profile at the machine's speed while the configurations were verified: scaled to the whole model's
     passes measured just before and just after (geometric means). A shared machine's speed drifts; samples scaled
@@ -257,6 +268,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             logger.info("the whole model's forward and backward around the verified runs: %.2f and %.2f ms alone, "
                         "%.2f and %.2f ms together", levels[0].alone_ms, levels[1].alone_ms, levels[0].together_ms,
                         levels[1].together_ms)
+            drift = machine_drift(*levels)
+            report["machine_drift"] = drift
+            if drift > _STEADY_DRIFT:
+                logger.warning("the machine's speed moved by %.0f%% during the verification (the whole model's "
+                               "passes before and after it): the measured steps carry that drift, and so do their "
+                               "errors against the predictions", 100 * (drift - 1))
             verified_profile = verification_profile(model_profile, *levels)
             samples = [planner.calibration_sample(model, verified_profile, network, configuration, batch=args.batch,
                                                   optimizer_ms_per_byte=optimizer_ms_per_byte,
