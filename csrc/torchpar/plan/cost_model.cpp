@@ -316,11 +316,12 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
   TORCH_CHECK(tensor == 1 || std::any_of(roles.begin(), roles.end(), is_split),
               "no layer of the model splits over a tensor group (nn.Linear layers do)");
 
+  // Transfers and a tensor group's collectives run while the pipeline's other ranks may wait in its bubble.
+  const auto loaded_with = [&](double busy) { return under_load(idle_network, given, busy, configuration.world); };
   // The stages' costs with `busy` of the world's ranks computing at once.
   const auto stage_costs = [&](double busy) {
     const auto calibration = with_contention(model, given, busy, configuration.world);
-    // A tensor group's collectives run while the pipeline's other ranks wait in its bubble.
-    const auto busy_network = under_load(idle_network, given, busy, configuration.world);
+    const auto busy_network = loaded_with(busy);
     const auto tensor_network = within_group(busy_network, configuration.world, tensor);
     std::vector<pipeline::ActionCosts> costs(static_cast<size_t>(stages));
     for (int stage = 0; stage < stages; ++stage) {
@@ -356,8 +357,7 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
   const auto costs = stage_costs(busy);
   const auto simulation = pipeline::simulate(spec, costs);
   const auto calibration = with_contention(model, given, busy, configuration.world);
-  const auto tensor_network =
-      within_group(under_load(idle_network, given, busy, configuration.world), configuration.world, tensor);
+  const auto tensor_network = within_group(loaded_with(busy), configuration.world, tensor);
 
   Prediction prediction;
   prediction.configuration = configuration;
