@@ -132,6 +132,11 @@ void bind_plan(py::module_& module) {
       .def_readwrite("measured_ms", &plan::CalibrationSample::measured_ms);
   m.def("fit_calibration", &plan::fit_calibration, py::arg("samples"), py::arg("start") = plan::Calibration(),
         Release());
+  m.def("calibration_bounds", [] {
+    py::dict bounds;  // in the knobs' declaration order
+    for (const auto& knob : plan::calibration_knobs()) bounds[knob.name] = py::make_tuple(knob.low, knob.high);
+    return bounds;
+  });
   m.def("render_table", &plan::render_table, py::arg("plan"));
   m.def(
       "tensor_parallel_roles",

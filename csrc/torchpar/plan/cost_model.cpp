@@ -575,26 +575,27 @@ Prediction predict(const ModelProfile& model, const NetworkProfile& network, con
   TORCH_CHECK(false, "plan: unknown strategy");
 }
 
+const std::vector<CalibrationKnob>& calibration_knobs() {
+  static const std::vector<CalibrationKnob> knobs{
+      {"compute_scale", &Calibration::compute_scale, 0.5, 4.0, 0.005, 1.0},
+      {"communication_scale", &Calibration::communication_scale, 0.5, 4.0, 0.005, 1.0},
+      {"overlap", &Calibration::overlap, 0.0, 1.0, 0.005, 1.0},
+      {"per_action_ms", &Calibration::per_action_ms, 0.0, 2.0, 0.001, 1.0},
+      {"per_transfer_ms", &Calibration::per_transfer_ms, 0.0, 2.0, 0.001, 1.0},
+      {"per_step_ms", &Calibration::per_step_ms, 0.0, 5.0, 0.002, 5.0},
+      {"ps_ms_per_byte", &Calibration::ps_ms_per_byte, 0.0, 2.0 / (1 << 20), 0.002 / (1 << 20), 1.0 / (1 << 20)},
+      {"ps_per_step_ms", &Calibration::ps_per_step_ms, 0.0, 20.0, 0.005, 5.0},
+      {"ps_rows_ms", &Calibration::ps_rows_ms, 0.0, 20.0, 0.005, 5.0}};
+  return knobs;
+}
+
 Calibration fit_calibration(const std::vector<CalibrationSample>& samples, const Calibration& start) {
   TORCH_CHECK(!samples.empty(), "fit_calibration: no measured configuration to learn from");
   for (const auto& sample : samples) {
     TORCH_CHECK(sample.measured_ms > 0, "fit_calibration: ", sample.configuration.describe(), " measured ",
                 sample.measured_ms, " ms");
   }
-  struct Knob {
-    double Calibration::*field;
-    double low, high, resolution;
-    double unit;  // a departure from `start` of one unit costs as much as a 10% error on every sample
-  };
-  const Knob knobs[] = {{&Calibration::compute_scale, 0.5, 4.0, 0.005, 1.0},
-                        {&Calibration::communication_scale, 0.5, 4.0, 0.005, 1.0},
-                        {&Calibration::overlap, 0.0, 1.0, 0.005, 1.0},
-                        {&Calibration::per_action_ms, 0.0, 2.0, 0.001, 1.0},
-                        {&Calibration::per_transfer_ms, 0.0, 2.0, 0.001, 1.0},
-                        {&Calibration::per_step_ms, 0.0, 5.0, 0.002, 5.0},
-                        {&Calibration::ps_ms_per_byte, 0.0, 2.0 / (1 << 20), 0.002 / (1 << 20), 1.0 / (1 << 20)},
-                        {&Calibration::ps_per_step_ms, 0.0, 20.0, 0.005, 5.0},
-                        {&Calibration::ps_rows_ms, 0.0, 20.0, 0.005, 5.0}};
+  const auto& knobs = calibration_knobs();
   // Mean squared relative error (smooth, so a compass search does not stall on a kink), plus a small
   // pull towards `start`, so that a few noisy samples do not swing knobs they barely constrain.
   const auto error = [&](const Calibration& calibration) {

@@ -182,10 +182,22 @@ struct CalibrationSample {
   double measured_ms = 0;
 };
 
+// A calibration's knob and the range fit_calibration searches it in (the planner's probes solve for a
+// knob within the same range).
+struct CalibrationKnob {
+  const char* name;
+  double Calibration::*field;
+  double low, high, resolution;
+  double unit;  // a departure from the start of one unit costs as much as a 10% error on every sample
+};
+// Every knob of Calibration, in its declaration order: compute_scale and communication_scale in [0.5, 4],
+// overlap in [0, 1], per_action_ms and per_transfer_ms in [0, 2] ms, per_step_ms in [0, 5] ms,
+// ps_ms_per_byte in [0, 2] ms/MiB, ps_per_step_ms and ps_rows_ms in [0, 20] ms.
+const std::vector<CalibrationKnob>& calibration_knobs();
+
 // The calibration under which the predictions of `samples` (from any models and runs on one machine)
 // come closest to what was measured (least mean relative error; coordinate descent from `start` over
-// compute_scale and communication_scale in [0.5, 4], overlap in [0, 1], per_action_ms and per_transfer_ms in [0, 2] ms,
-// per_step_ms in [0, 5] ms, ps_ms_per_byte in [0, 2] ms/MiB, ps_per_step_ms and ps_rows_ms in [0, 20] ms).
+// calibration_knobs()).
 Calibration fit_calibration(const std::vector<CalibrationSample>& samples, const Calibration& start = {});
 
 // Gradient buckets of DDP (or pushes of RemoteParameters) overlapping backward: bucket k becomes ready

@@ -17,8 +17,8 @@ import torch
 from torchpar._C import plan as _engine
 
 Calibration = _engine.Calibration
-FIELDS = ("compute_scale", "communication_scale", "overlap", "per_action_ms", "per_transfer_ms", "per_step_ms",
-          "ps_ms_per_byte", "ps_per_step_ms", "ps_rows_ms")
+BOUNDS = _engine.calibration_bounds()  # each knob's (lowest, highest), as fit_calibration searches it
+FIELDS = tuple(BOUNDS)
 FILE = pathlib.Path(os.environ.get("TORCHPAR_PLAN_CALIBRATION",
                                    pathlib.Path.home() / ".cache" / "torchpar" / "plan_calibration.json"))
 KEPT_SAMPLES = 60  # the most recent per key: the machine may change under it

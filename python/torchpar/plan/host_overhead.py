@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpar._C import plan as _engine
-from torchpar.plan.calibration import configuration_from_fields, copy_calibration
+from torchpar.plan.calibration import BOUNDS, configuration_from_fields, copy_calibration
 from torchpar.plan.model import Model
 
 _MICROBATCHES = 4
@@ -55,11 +55,11 @@ def _solve(predicted_ms: Callable[[float], float], measured_ms: float, largest: 
     return low
 
 
-def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: str, bounds: tuple[float, float],
-            control, backend: str, samples: list, steps: int = _PROBE_STEPS) -> float:
+def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: str, control, backend: str,
+            samples: list, steps: int = _PROBE_STEPS) -> float:
     """(Every rank; the answer on rank 0.) `fields` run for real on `model` (the median of `steps` steps after a
-    sixth as many), then the value of the calibration's `knob` within `bounds` under which the cost model predicts
-    the step measured; the run joins `samples` (rank 0)."""
+    sixth as many), then the value of the calibration's `knob`, within the range fit_calibration searches, under
+    which the cost model predicts the step measured; the run joins `samples` (rank 0)."""
     from torchpar.plan import calibration_sample, profile
     from torchpar.plan.verify import measure
 
@@ -73,7 +73,7 @@ def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: 
     samples.append(sample)
     setup = sample.setup
     trial = copy_calibration(calibration)
-    lowest, highest = bounds
+    lowest, highest = BOUNDS[knob]
 
     def predicted_ms(above_lowest: float) -> float:
         setattr(trial, knob, lowest + above_lowest)
@@ -88,35 +88,34 @@ def measure_host_overheads(calibration, network, control, backend: str) -> list:
     one Linear(8, 8) per rank and 4 micro-batches; `ps_per_step_ms` and `ps_ms_per_byte` from parameter servers
     (half the ranks serving, BSP) of two Linear(8, 8), then of two Linear(512, 512); `ps_rows_ms` from one of a
     4096 x 8 embedding (8 ids per sample) under a Linear(8, 8), whatever the model (a calibration learned from
-    these runs applies to later plans of any model). Returns those runs as
-    calibration samples (rank 0): with them, --verify's fit tells a parameter server's cost per step from its cost
-    per byte, which one model's runs alone barely can."""
+    these runs applies to later plans of any model). Returns those runs as calibration samples (rank 0): with
+    them, --verify's fit tells a parameter server's cost per step from its cost per byte, which one model's runs
+    alone barely can."""
     samples = []
     world = dist.get_world_size()
     if world < 2:
         return samples  # none runs on one rank
-    # Each knob's bounds are fit_calibration's (cost_model.cpp).
     common = dict(world=world, replicas=1, tensor=1, schedule="1f1b", microbatches=_MICROBATCHES, virtual_stages=1,
                   balance=[], servers=0, synchronous=True)
     # Collectives cost more while the ranks compute (and, with more ranks than cores, wait for the scheduler)
     # than the probes of an otherwise idle process group measured.
     calibration.communication_scale = _fitted(_linear_model(4, 512), dict(common, strategy="ddp"),
                                               world * _DATA_PARALLEL_SAMPLES, network, calibration,
-                                              "communication_scale", (0.5, 4.0), control, backend, samples,
+                                              "communication_scale", control, backend, samples,
                                               steps=_DATA_PARALLEL_PROBE_STEPS)
     calibration.per_action_ms = _fitted(_linear_model(world, 8), dict(common, strategy="pipeline",
                                                                       balance=[1] * world),
-                                        _MICROBATCHES * _SAMPLES, network, calibration, "per_action_ms", (0.0, 2.0),
-                                        control, backend, samples)
+                                        _MICROBATCHES * _SAMPLES, network, calibration, "per_action_ms", control,
+                                        backend, samples)
     # The parameter server's host time per step from tiny tables, then per byte (of its round trips) from 2 MiB.
     servers = world // 2
     parameter_server = dict(common, strategy="ps", servers=servers)
     batch = (world - servers) * _SAMPLES
     calibration.ps_per_step_ms = _fitted(_linear_model(2, 8), parameter_server, batch, network, calibration,
-                                         "ps_per_step_ms", (0.0, 20.0), control, backend, samples)
+                                         "ps_per_step_ms", control, backend, samples)
     calibration.ps_ms_per_byte = _fitted(_linear_model(2, 512), parameter_server, batch, network, calibration,
-                                         "ps_ms_per_byte", (0.0, 2.0 / 2**20), control, backend, samples)
+                                         "ps_ms_per_byte", control, backend, samples)
     # Sparse rows are pulled before forward and pushed after backward, round trips of their own.
     calibration.ps_rows_ms = _fitted(_embedding_model(4096, 8, 8), parameter_server, batch, network, calibration,
-                                     "ps_rows_ms", (0.0, 20.0), control, backend, samples)
+                                     "ps_rows_ms", control, backend, samples)
     return samples
