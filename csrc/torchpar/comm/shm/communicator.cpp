@@ -250,19 +250,18 @@ void Communicator::reduce(
       if (k == 0) {
         check_descriptors();
       }
-      // What only this rank reduces is reduced into its slot's unpublished part (the output may be
-      // the input itself), then copied out.
+      // What only this rank reduces goes straight to the output (which may be the input itself) and,
+      // for an all-reduce, in the same pass to the slot's unpublished part, where the others copy it from.
       const auto [from, to] = kept;
       const int64_t output_offset = mode == ReduceMode::Scatter ? rank_ * block : 0;
       if (from < to) {
         gather_sources(from, true);
-        char* reduced = slot(rank_) + (from - begin) * element;
-        reduce_slices(reduced, sources, to - from, dtype, op);
-        std::memcpy(out + (from - output_offset) * element, reduced, (to - from) * element);
+        char* shared = mode == ReduceMode::All ? slot(rank_) + (from - begin) * element : nullptr;
+        reduce_slices(out + (from - output_offset) * element, shared, sources, to - from, dtype, op);
       }
       if (one_shot) {
         gather_sources(begin, false);
-        reduce_slices(out + begin * element, sources, end - begin, dtype, op);
+        reduce_slices(out + begin * element, nullptr, sources, end - begin, dtype, op);
       } else if (mode == ReduceMode::All) {
         // Each rank reduced one partition of the chunk into its slot; every rank copies the other
         // partitions from their owners' slots.

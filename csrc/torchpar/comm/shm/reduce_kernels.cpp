@@ -1,6 +1,7 @@
 #include <torchpar/comm/shm/reduce_kernels.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <iterator>
 #include <type_traits>
@@ -18,6 +19,7 @@
 #include <ATen/ops/maximum.h>
 #include <ATen/ops/minimum.h>
 #include <ATen/ops/mul.h>
+#include <c10/macros/Macros.h>
 #include <c10/util/Exception.h>
 
 namespace torchpar::comm::shm {
@@ -87,59 +89,106 @@ T wrapping(T a, T b, Op op) {
   }
 }
 
+// Elements per block of the fold: a block of the result stays in L1 while every source is added to it.
+template <typename T>
+constexpr int64_t kBlockElements = 4096 / sizeof(T);
+
+// destination (and copy, when given) = finish(s0 (op) s1 (op) ...), block by block: each source is
+// read once and each output written once, and a block is complete before any of it is stored, so an
+// output may be one of the sources itself.
+template <typename T, typename Combine, typename Finish>
+C10_ALWAYS_INLINE void fold_blocks(T* destination, T* copy, const std::vector<const void*>& sources, int64_t count,
+                                   Combine combine, Finish finish) {
+  alignas(64) T block[kBlockElements<T>];
+  for (int64_t start = 0; start < count; start += kBlockElements<T>) {
+    const int64_t length = std::min(kBlockElements<T>, count - start);
+    const T* first = static_cast<const T*>(sources[0]) + start;
+    if (sources.size() == 1) {
+      for (int64_t i = 0; i < length; ++i) {
+        block[i] = finish(first[i]);
+      }
+    } else {
+      const T* second = static_cast<const T*>(sources[1]) + start;
+      for (int64_t i = 0; i < length; ++i) {
+        block[i] = combine(first[i], second[i]);
+      }
+      for (std::size_t k = 2; k < sources.size(); ++k) {
+        const T* next = static_cast<const T*>(sources[k]) + start;
+        for (int64_t i = 0; i < length; ++i) {
+          block[i] = combine(block[i], next[i]);
+        }
+      }
+      for (int64_t i = 0; i < length; ++i) {
+        block[i] = finish(block[i]);
+      }
+    }
+    std::memcpy(destination + start, block, length * sizeof(T));
+    if (copy != nullptr) {
+      std::memcpy(copy + start, block, length * sizeof(T));
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// The same fold compiled for AVX2 (chosen at run time): 0-11% faster all-reduces from 64 KiB to 64 MiB
+// on 2 ranks, measured against the plain build alternated in one run.
+template <typename T, typename Combine, typename Finish>
+__attribute__((target("avx2"))) void fold_blocks_avx2(T* destination, T* copy, const std::vector<const void*>& sources,
+                                                       int64_t count, Combine combine, Finish finish) {
+  fold_blocks(destination, copy, sources, count, combine, finish);
+}
+
+bool has_avx2() {
+  static const bool supported = __builtin_cpu_supports("avx2");
+  return supported;
+}
+#endif
+
+template <typename T, typename Combine, typename Finish>
+void fold(T* destination, T* copy, const std::vector<const void*>& sources, int64_t count, Combine combine,
+          Finish finish) {
+#if defined(__x86_64__)
+  if (has_avx2()) {
+    fold_blocks_avx2(destination, copy, sources, count, combine, finish);
+    return;
+  }
+#endif
+  fold_blocks(destination, copy, sources, count, combine, finish);
+}
+
 // The common case without ATen's per-call cost (tensor views, dispatch: microseconds that dominate
 // small messages): a plain loop the compiler vectorises.
 template <typename T>
-bool reduce_plain(T* out, const std::vector<const void*>& sources, int64_t count, RedOp op) {
-  auto source = [&](std::size_t i) { return static_cast<const T*>(sources[i]); };
-  // One pass over the first two sources (no copy of the first into `out` before), then one per source.
-  auto fold = [&](auto combine) {
-    const T* first = source(0);
-    if (sources.size() == 1) {
-      std::copy(first, first + count, out);
-      return;
-    }
-    const T* second = source(1);
-    for (int64_t i = 0; i < count; ++i) {
-      out[i] = combine(first[i], second[i]);
-    }
-    for (std::size_t k = 2; k < sources.size(); ++k) {
-      const T* next = source(k);
-      for (int64_t i = 0; i < count; ++i) {
-        out[i] = combine(out[i], next[i]);
-      }
-    }
-  };
+bool reduce_plain(T* destination, T* copy, const std::vector<const void*>& sources, int64_t count, RedOp op) {
+  auto same = [](T value) { return value; };
+  auto run = [&](auto combine) { fold(destination, copy, sources, count, combine, same); };
   switch (op) {
     case RedOp::SUM:
-      fold([](T a, T b) { return wrapping<T>(a, b, std::plus<>()); });
+      run([](T a, T b) { return wrapping<T>(a, b, std::plus<>()); });
       return true;
     case RedOp::AVG:
       if constexpr (std::is_floating_point_v<T>) {
-        fold([](T a, T b) { return a + b; });
         const T scale = static_cast<T>(sources.size());
-        for (int64_t i = 0; i < count; ++i) {
-          out[i] /= scale;
-        }
+        fold(destination, copy, sources, count, [](T a, T b) { return a + b; }, [scale](T sum) { return sum / scale; });
         return true;
       }
       return false;
     case RedOp::PRODUCT:
-      fold([](T a, T b) { return wrapping<T>(a, b, std::multiplies<>()); });
+      run([](T a, T b) { return wrapping<T>(a, b, std::multiplies<>()); });
       return true;
     case RedOp::MIN:
       // NaN propagates as in at::minimum (and Gloo): only floating types need the extra test.
       if constexpr (std::is_floating_point_v<T>) {
-        fold([](T a, T b) { return (a != a || a < b) ? a : b; });
+        run([](T a, T b) { return (a != a || a < b) ? a : b; });
       } else {
-        fold([](T a, T b) { return a < b ? a : b; });
+        run([](T a, T b) { return a < b ? a : b; });
       }
       return true;
     case RedOp::MAX:
       if constexpr (std::is_floating_point_v<T>) {
-        fold([](T a, T b) { return (a != a || a > b) ? a : b; });
+        run([](T a, T b) { return (a != a || a > b) ? a : b; });
       } else {
-        fold([](T a, T b) { return a > b ? a : b; });
+        run([](T a, T b) { return a > b ? a : b; });
       }
       return true;
     default:
@@ -147,17 +196,17 @@ bool reduce_plain(T* out, const std::vector<const void*>& sources, int64_t count
   }
 }
 
-bool reduce_without_aten(void* out, const std::vector<const void*>& sources, int64_t count, c10::ScalarType dtype,
-                         RedOp op) {
+bool reduce_without_aten(void* destination, void* copy, const std::vector<const void*>& sources, int64_t count,
+                         c10::ScalarType dtype, RedOp op) {
   switch (dtype) {
     case c10::kFloat:
-      return reduce_plain(static_cast<float*>(out), sources, count, op);
+      return reduce_plain(static_cast<float*>(destination), static_cast<float*>(copy), sources, count, op);
     case c10::kDouble:
-      return reduce_plain(static_cast<double*>(out), sources, count, op);
+      return reduce_plain(static_cast<double*>(destination), static_cast<double*>(copy), sources, count, op);
     case c10::kInt:
-      return reduce_plain(static_cast<int32_t*>(out), sources, count, op);
+      return reduce_plain(static_cast<int32_t*>(destination), static_cast<int32_t*>(copy), sources, count, op);
     case c10::kLong:
-      return reduce_plain(static_cast<int64_t*>(out), sources, count, op);
+      return reduce_plain(static_cast<int64_t*>(destination), static_cast<int64_t*>(copy), sources, count, op);
     default:
       return false;
   }
@@ -184,28 +233,28 @@ void check_reducible(c10::ScalarType dtype, RedOp op, const char* op_name) {
 
 void reduce_slices(
     void* destination,
+    void* copy,
     const std::vector<const void*>& sources,
     int64_t count,
     c10::ScalarType dtype,
     RedOp op) {
-  if (count == 0 || reduce_without_aten(destination, sources, count, dtype, op)) {
+  if (count == 0 || reduce_without_aten(destination, copy, sources, count, dtype, op)) {
     return;
   }
   const auto options = at::TensorOptions().dtype(dtype);
   auto view = [&](const void* data) { return at::from_blob(const_cast<void*>(data), {count}, options); };
-  at::Tensor out = view(destination);
   std::vector<at::Tensor> inputs;
   inputs.reserve(sources.size());
   const bool in_float = reduced_in_float(dtype);
   for (const void* source : sources) {
     inputs.push_back(in_float ? view(source).to(c10::kFloat) : view(source));
   }
-  if (in_float) {
-    at::Tensor acc = at::empty({count}, options.dtype(c10::kFloat));
-    accumulate(acc, inputs, op);
-    out.copy_(acc);
-  } else {
-    accumulate(out, inputs, op);
+  // A fresh accumulator: the outputs may be sources, which a partial result must not overwrite.
+  at::Tensor acc = at::empty({count}, options.dtype(in_float ? c10::kFloat : dtype));
+  accumulate(acc, inputs, op);
+  view(destination).copy_(acc);
+  if (copy != nullptr) {
+    view(copy).copy_(acc);
   }
 }
 
