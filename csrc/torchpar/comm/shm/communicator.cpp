@@ -102,7 +102,11 @@ void Communicator::start_op(OpDescriptor& descriptor, uint64_t stream_bytes) {
 }
 
 char* Communicator::slot(int rank) const {
-  return segment_.data() + layout_.slot_offset(round_, rank);
+  return slot(round_, rank);
+}
+
+char* Communicator::slot(uint64_t round, int rank) const {
+  return segment_.data() + layout_.slot_offset(round, rank);
 }
 
 std::string Communicator::describe() const {
@@ -225,15 +229,29 @@ void Communicator::reduce(
     };
     const int64_t align = std::max<int64_t>(1, kPartitionAlignBytes / element);
 
+    // The partition of chunk k each rank reduces (All: then copied out to every rank).
+    auto part_range = [&](uint64_t k, int rank) {
+      const int64_t begin = static_cast<int64_t>(k) * per_chunk;
+      const int64_t end = std::min(numel, begin + per_chunk);
+      const int64_t part = (ceil_div(static_cast<uint64_t>(end - begin), world()) + align - 1) / align * align;
+      const int64_t from = std::min(end, begin + rank * part);
+      return std::make_pair(from, std::min(end, from + part));
+    };
+    // Every rank copies the partitions the others reduced of chunk k, which `round` held, from their slots.
+    auto copy_partitions = [&](uint64_t k, uint64_t round) {
+      const int64_t begin = static_cast<int64_t>(k) * per_chunk;
+      for (int rank = 0; rank < world(); ++rank) {
+        const auto [theirs_from, theirs_to] = part_range(k, rank);
+        if (rank != rank_ && theirs_from < theirs_to) {
+          std::memcpy(out + theirs_from * element, slot(round, rank) + (theirs_from - begin) * element,
+                      (theirs_to - theirs_from) * element);
+        }
+      }
+    };
+
     for (uint64_t k = 0; k < rounds; ++k) {
       const int64_t begin = static_cast<int64_t>(k) * per_chunk;
       const int64_t end = std::min(numel, begin + per_chunk);
-      // The partition of the chunk each rank reduces (All: then copied out to every rank).
-      const int64_t part = (ceil_div(static_cast<uint64_t>(end - begin), world()) + align - 1) / align * align;
-      auto part_range = [&](int rank) {
-        const int64_t from = std::min(end, begin + rank * part);
-        return std::make_pair(from, std::min(end, from + part));
-      };
       // What only this rank reads of its own chunk stays out of its slot: the root's whole chunk, its
       // block of a scatter, its partition of a large all-reduce.
       std::pair<int64_t, int64_t> kept{begin, begin};
@@ -242,13 +260,18 @@ void Communicator::reduce(
       } else if (mode == ReduceMode::Scatter) {
         kept = {std::clamp(rank_ * block, begin, end), std::clamp((rank_ + 1) * block, begin, end)};
       } else if (mode == ReduceMode::All && !one_shot) {
-        kept = part_range(rank_);
+        kept = part_range(k, rank_);
       }
       const auto bytes_from_begin = [&](int64_t index) { return static_cast<uint64_t>((index - begin) * element); };
       publish(in + begin * element, bytes_from_begin(end), bytes_from_begin(kept.first),
               bytes_from_begin(kept.second));
       if (k == 0) {
         check_descriptors();
+      }
+      const bool partitioned = mode == ReduceMode::All && !one_shot;
+      if (partitioned && k > 0) {
+        // Every rank published this round after reducing its partition of the previous one.
+        copy_partitions(k - 1, round_ - 1);
       }
       // What only this rank reduces goes straight to the output (which may be the input itself) and,
       // for an all-reduce, in the same pass to the slot's unpublished part, where the others copy it from.
@@ -262,17 +285,10 @@ void Communicator::reduce(
       if (one_shot) {
         gather_sources(begin, false);
         reduce_slices(out + begin * element, nullptr, sources, end - begin, dtype, op);
-      } else if (mode == ReduceMode::All) {
-        // Each rank reduced one partition of the chunk into its slot; every rank copies the other
-        // partitions from their owners' slots.
+      } else if (partitioned && k + 1 == rounds) {
+        // The last round has no next one to wait in.
         meet();
-        for (int rank = 0; rank < world(); ++rank) {
-          const auto [theirs_from, theirs_to] = part_range(rank);
-          if (rank != rank_ && theirs_from < theirs_to) {
-            std::memcpy(out + theirs_from * element, slot(rank) + (theirs_from - begin) * element,
-                        (theirs_to - theirs_from) * element);
-          }
-        }
+        copy_partitions(k, round_);
       }
       ++round_;
     }

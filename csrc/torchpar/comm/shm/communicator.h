@@ -45,9 +45,12 @@ enum class ReduceMode {
 
 // The collectives of one group of ranks on one host, over a shared segment. Every op runs in
 // rounds of at most one chunk per rank: each rank copies its chunk into its slot, all ranks meet
-// (progress counters), then each takes what it needs straight from the others' slots. Rounds
-// alternate between two buffer sets, so a round needs one meeting, not two. Not thread-safe: the
-// backend runs its ops one after another on one thread, in the same order on every rank.
+// (progress counters), then each takes what it needs straight from the others' slots. Rounds take
+// the buffer sets in turn, so a round needs one meeting: an all-reduce, whose ranks each reduce a
+// partition of the chunk that the others then copy, copies round k's partitions once round k + 1's
+// meeting showed them complete (and only its last round meets twice). Three sets, since a rank
+// publishing round k + 2 may meet a slower one still copying round k. Not thread-safe: the backend
+// runs its ops one after another on one thread, in the same order on every rank.
 class Communicator {
  public:
   Communicator(SharedSegment segment, SegmentLayout layout, int rank, std::chrono::milliseconds timeout);
@@ -73,6 +76,7 @@ class Communicator {
 
  private:
   char* slot(int rank) const;
+  char* slot(uint64_t round, int rank) const;
   RankControl& mine() const {
     return controls_[rank_];
   }

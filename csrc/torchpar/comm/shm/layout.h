@@ -32,9 +32,12 @@ struct RankControl {
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock-free atomics");
 
-// Where things are in a group's segment: the controls, then two buffer sets (alternating by round,
-// so one rank can fill the next round's slot while others still read this round's), each one slot of
-// `chunk_bytes` per rank.
+// Buffer sets a round rotates over: a rank fills round k + 1's slot while others still read round k's,
+// and an all-reduce copies round k's reduced partitions out during round k + 1 (see Communicator).
+constexpr std::size_t kBufferSets = 3;
+
+// Where things are in a group's segment: the controls, then kBufferSets buffer sets (one per round,
+// in turn), each one slot of `chunk_bytes` per rank.
 struct SegmentLayout {
   int world;
   std::size_t chunk_bytes;
@@ -47,10 +50,10 @@ struct SegmentLayout {
     return (controls + 4095) / 4096 * 4096;
   }
   std::size_t slot_offset(uint64_t round, int rank) const {
-    return data_offset() + ((round % 2) * static_cast<std::size_t>(world) + static_cast<std::size_t>(rank)) * chunk_bytes;
+    return data_offset() + ((round % kBufferSets) * static_cast<std::size_t>(world) + static_cast<std::size_t>(rank)) * chunk_bytes;
   }
   std::size_t total_bytes() const {
-    return data_offset() + 2 * static_cast<std::size_t>(world) * chunk_bytes;
+    return data_offset() + kBufferSets * static_cast<std::size_t>(world) * chunk_bytes;
   }
 };
 
