@@ -6,7 +6,6 @@
 #include <ATen/ops/maximum.h>
 #include <ATen/ops/minimum.h>
 #include <ATen/ops/randint.h>
-#include <ATen/ops/stack.h>
 
 #include <torchpar/comm/shm/reduce_kernels.h>
 
