@@ -1,11 +1,13 @@
 // ps/channel: one peer of the parameter service over a process group's send/recv (2 forked ranks on
 // Gloo). Payload sizes cover every path: none, inline in the frame, one past it, and large sizes the
 // first time (a fresh receive) and again (a slot kept posted for that size) — through Gloo, through
-// the same-host payload rings, and through both when a ring has no room for some.
+// the same-host payload rings, and through both when a ring has no room for some; payloads copied into
+// their message, and payloads the message only views until it is sent.
 #include "catch_with_torch.h"
 
 #include <torchpar/ps/channel.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 
@@ -62,11 +64,12 @@ const std::vector<size_t> kSizes = {0, 10, ps::Frame::kInlineBytes, ps::Frame::k
 constexpr int64_t kLargePayloads = 7;  // the sizes past the frame's inline bytes
 
 // Each rank sends every size to the other and checks what it received; returns how many payloads its
-// end sent through its ring. The rings are offered with the first message and accepted with the
+// end sent through its ring. `viewed`: each message only views its payload (WireWriter::put_data_view). The rings are offered with the first message and accepted with the
 // second, so with `rings_first` both ranks exchange those two before the sizes.
 // Each call takes its own tags: a channel's receives still posted when it goes are not the next one's.
 int64_t exchange_every_size(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t ring_bytes,
-                            bool rings_first, ps::RingPayloads ring_payloads = ps::RingPayloads::Copied) {
+                            bool rings_first, ps::RingPayloads ring_payloads = ps::RingPayloads::Copied,
+                            bool viewed = false) {
   static int calls = 0;
   const int tags = 2 * ps::kTagsPerDirection * calls++;
   Inbox inbox;
@@ -79,15 +82,24 @@ int64_t exchange_every_size(int rank, const c10::intrusive_ptr<c10d::ProcessGrou
   size_t prelude = 0;
   if (rings_first) {
     for (; prelude < 2; ++prelude) {
-      channel.send(ps::make_message(ps::MessageKind::Ok, -1, {}));
+      channel.send(ps::make_message(ps::MessageKind::Ok, -1));
       REQUIRE(inbox.wait([&] { return inbox.messages.size() > prelude || !inbox.failures.empty(); }));
     }
   }
   for (size_t i = 0; i < kSizes.size(); ++i) {
-    channel.send(ps::make_message(ps::MessageKind::Push, static_cast<int64_t>(i) + 100 * rank,
-                                  pattern(kSizes[i], static_cast<int64_t>(i) + rank)));
+    const auto id = static_cast<int64_t>(i) + 100 * rank;
+    auto payload = pattern(kSizes[i], static_cast<int64_t>(i) + rank);
+    if (viewed) {
+      // The message points at `payload`; overwritten once sent, it must arrive as it was at send().
+      ps::WireWriter writer;
+      writer.put_data_view(payload.data(), payload.size());
+      channel.send(ps::make_message(ps::MessageKind::Push, id, std::move(writer)));
+      std::fill(payload.begin(), payload.end(), uint8_t{0xEE});
+    } else {
+      channel.send(ps::make_message(ps::MessageKind::Push, id, std::move(payload)));
+    }
   }
-  channel.send(ps::make_message(ps::MessageKind::Bye, -1, {}));
+  channel.send(ps::make_message(ps::MessageKind::Bye, -1));
   REQUIRE(inbox.wait([&] { return inbox.done || !inbox.failures.empty(); }));
   CHECK(inbox.failures.empty());
   REQUIRE(inbox.messages.size() == prelude + kSizes.size() + 1);
@@ -122,6 +134,11 @@ TEST_CASE("ps channel: messages arrive whole and in order, whatever their size, 
     {
       INFO("through the same-host rings, each payload lent to the callback in place (the inbox copies it)");
       CHECK(exchange_every_size(rank, pg, 16 << 20, true, ps::RingPayloads::Lent) == kLargePayloads);
+    }
+    {
+      INFO("payloads that view the sender's data: through Gloo, then the rings");
+      CHECK(exchange_every_size(rank, pg, 0, true, ps::RingPayloads::Copied, true) == 0);
+      CHECK(exchange_every_size(rank, pg, 16 << 20, true, ps::RingPayloads::Copied, true) == kLargePayloads);
     }
     {
       INFO("through a ring too small for some: those through Gloo, in order with the others");

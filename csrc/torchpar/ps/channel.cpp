@@ -84,6 +84,37 @@ Message make_message(MessageKind kind, int64_t request_id, std::vector<uint8_t> 
   return message;
 }
 
+Message make_message(MessageKind kind, int64_t request_id, WireWriter payload) {
+  if (!payload.has_views()) return make_message(kind, request_id, payload.release());
+  Message message;
+  message.frame = Frame{kind, request_id, static_cast<int64_t>(payload.size())};
+  message.viewing = std::make_shared<const WireWriter>(std::move(payload));
+  return message;
+}
+
+namespace {
+
+void copy_payload(const Message& message, uint8_t* out) {
+  if (message.viewing) {
+    for (const auto& span : message.viewing->spans()) {
+      std::memcpy(out, span.data, span.bytes);
+      out += span.bytes;
+    }
+  } else if (message.payload.defined()) {
+    std::memcpy(out, message.payload.const_data_ptr(), message.frame.payload_bytes);
+  }
+}
+
+// The payload as a tensor of its own, for a transfer that reads it after send() returns.
+at::Tensor owned_payload(const Message& message) {
+  if (!message.viewing) return message.payload;
+  auto payload = at::empty({message.frame.payload_bytes}, at::kByte);
+  copy_payload(message, payload.data_ptr<uint8_t>());
+  return payload;
+}
+
+} // namespace
+
 Channel::Channel(c10::intrusive_ptr<c10d::ProcessGroup> group, int peer, int outgoing_tag, int incoming_tag,
                  OnMessage on_message, OnFailure on_failure, int64_t ring_bytes, RingPayloads ring_payloads)
     : group_(std::move(group)),
@@ -127,8 +158,8 @@ void Channel::send(const Message& message) {
   std::vector<at::Tensor> frame{at::empty({Frame::kBytes}, at::kByte)};
   auto* bytes = frame[0].data_ptr<uint8_t>();
   const bool inline_payload = message.frame.payload_bytes <= Frame::kInlineBytes;
-  if (inline_payload && message.payload.defined()) {
-    std::memcpy(bytes + Frame::kFields * 8, message.payload.const_data_ptr(), message.frame.payload_bytes);
+  if (inline_payload) {
+    copy_payload(message, bytes + Frame::kFields * 8);
   }
   std::string failure;
   {
@@ -145,7 +176,7 @@ void Channel::send(const Message& message) {
         bool added = false;
         const int slot = slot_of(sent_slot_sizes_, sent_sizes_seen_, message.frame.payload_bytes, &added);
         const int tag = outgoing_tag_ + (slot < 0 || added ? kFreshPayloadTag : kFirstSlotTag + slot);
-        std::vector<at::Tensor> payload{message.payload};
+        std::vector<at::Tensor> payload{owned_payload(message)};
         in_flight_.push_back(group_->send(payload, peer_, tag));
       }
     } catch (const std::exception& error) {
@@ -173,7 +204,9 @@ void Channel::attach_ring_fields(Frame& frame, uint8_t* bytes, const Message& me
   }
   if (peer_mapped_ring_ && message.frame.payload_bytes > Frame::kInlineBytes) {
     // A ring without room now sends this payload through Gloo rather than wait for the peer.
-    if (const auto position = outgoing_ring_->write(message.payload.const_data_ptr(), message.frame.payload_bytes)) {
+    const auto position = outgoing_ring_->write(static_cast<size_t>(message.frame.payload_bytes),
+                                                [&](uint8_t* out) { copy_payload(message, out); });
+    if (position) {
       frame.ring_position = static_cast<int64_t>(*position);
       ++payloads_through_ring_;
     }

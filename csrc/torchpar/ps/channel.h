@@ -33,10 +33,14 @@ constexpr int kReplyTag = kRequestTag + kTagsPerDirection;
 
 struct Message {
   Frame frame;
-  at::Tensor payload; // uint8 [frame.payload_bytes]; undefined when empty
+  at::Tensor payload; // uint8 [frame.payload_bytes]; undefined when empty or `viewing`
+  // Instead of `payload`, one that views data of the sender's (WireWriter::put_data_view): the channel
+  // copies it once, at send(), straight to where it goes.
+  std::shared_ptr<const WireWriter> viewing;
 };
 
-Message make_message(MessageKind kind, int64_t request_id, std::vector<uint8_t> payload);
+Message make_message(MessageKind kind, int64_t request_id, std::vector<uint8_t> payload = {});
+Message make_message(MessageKind kind, int64_t request_id, WireWriter payload);
 
 // What a message's payload that came through the ring is: a copy of its own, or (Lent) a view of the
 // ring's bytes, valid only until the message callback returns — for a receiver that keeps nothing of a

@@ -65,7 +65,7 @@ Client::~Client() {
   channels_.clear();
 }
 
-void Client::send_request(int server, MessageKind kind, std::vector<uint8_t> payload, std::string what,
+void Client::send_request(int server, MessageKind kind, WireWriter payload, std::string what,
                           RequestTracker::OnReply on_reply, RequestTracker::OnError on_error) {
   const int64_t id = next_request_++;
   std::lock_guard<std::recursive_mutex> order(send_order_);
@@ -193,7 +193,7 @@ int Client::dense_table(const std::string& name, const at::Tensor& initial, cons
       registration.initial = bytes_of(flat) + table->shard_begin[s] * flat.element_size();
       WireWriter writer;
       encode_registration(writer, registration);
-      parts.push_back({s, writer.release(), record_registration(table, s)});
+      parts.push_back({s, std::move(writer), record_registration(table, s)});
     }
   }
   return add_table(MessageKind::RegisterDense, std::move(parts), table, "registering table '" + name + "'");
@@ -210,12 +210,11 @@ int Client::sparse_table(const std::string& name, int64_t num_rows, int64_t dim,
   table->server_table.assign(num_servers(), -1);
   table->clocks.assign(num_servers(), 0);
   SparseRegistration registration{name, dtype, num_rows, dim, initializer, optimizer};
-  WireWriter writer;
-  encode_registration(writer, registration);
-  const auto payload = writer.release();
   std::vector<ServerPart> parts;
   for (int s = 0; s < num_servers(); ++s) {
-    parts.push_back({s, payload, record_registration(table, s)});
+    WireWriter writer;
+    encode_registration(writer, registration);
+    parts.push_back({s, std::move(writer), record_registration(table, s)});
   }
   return add_table(MessageKind::RegisterSparse, std::move(parts), table, "registering sparse table '" + name + "'");
 }
@@ -326,7 +325,7 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
         reader.expect_end();
       };
     }
-    parts.push_back({s, writer.release(), std::move(read_values)});
+    parts.push_back({s, std::move(writer), std::move(read_values)});
   }
   lock.unlock();
   return send_parts(kind, std::move(parts), what,
@@ -441,7 +440,7 @@ Future Client::rows_operation(MessageKind kind, const std::vector<int>& tables, 
         reader.expect_end();
       };
     }
-    parts.push_back({s, writer.release(), std::move(read_rows)});
+    parts.push_back({s, std::move(writer), std::move(read_rows)});
   }
   lock.unlock();
   return send_parts(kind, std::move(parts), what,
@@ -468,7 +467,7 @@ void Client::set_learning_rate(int table, double lr) {
       if (t.server_table[s] < 0) continue;
       WireWriter writer;
       encode_learning_rate(writer, static_cast<uint32_t>(t.server_table[s]), lr);
-      parts.push_back({s, writer.release(), nullptr});
+      parts.push_back({s, std::move(writer), nullptr});
     }
   }
   send_parts(MessageKind::SetLearningRate, std::move(parts), "setting the learning rate of '" + name + "'",
@@ -492,7 +491,7 @@ void Client::finish() {
   // clean finish, and keep their last consistent checkpoint rather than write one at the end.
   const bool server_lost = requests_.any_server_failed();
   for (int s = 0; s < num_servers() && !server_lost; ++s) {
-    channels_[s]->send(make_message(MessageKind::Finish, next_request_++, {}));
+    channels_[s]->send(make_message(MessageKind::Finish, next_request_++));
   }
   order.unlock(); // replies' callbacks may start requests (refused now) while we wait for the servers
   if (!server_lost) {
@@ -511,7 +510,8 @@ Future Client::send_raw(int server, int64_t kind, const at::Tensor& payload) {
   TORCH_CHECK(server >= 0 && server < num_servers(), "torchpar.ps: no server ", server);
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
   const auto bytes = payload.contiguous().to(at::kByte);
-  std::vector<uint8_t> data(bytes.data_ptr<uint8_t>(), bytes.data_ptr<uint8_t>() + bytes.numel());
+  WireWriter data;
+  data.append(bytes.const_data_ptr<uint8_t>(), static_cast<size_t>(bytes.numel()));
   send_request(
       server, static_cast<MessageKind>(kind), std::move(data), "a raw request",
       [future](const Message& reply) {

@@ -68,15 +68,15 @@ class Client {
   Future send_raw(int server, int64_t kind, const at::Tensor& payload);
 
  private:
-  // One server's share of an operation: its message, and what to take from its reply (on the
-  // receiving thread; none when the reply carries nothing).
+  // One server's share of an operation: its message (whose viewed data must last until send_parts
+  // returns), and what to take from its reply (on the receiving thread; none when the reply carries nothing).
   struct ServerPart {
     int server;
-    std::vector<uint8_t> payload;
+    WireWriter payload;
     std::function<void(const Message&)> read_reply;
   };
 
-  void send_request(int server, MessageKind kind, std::vector<uint8_t> payload, std::string what,
+  void send_request(int server, MessageKind kind, WireWriter payload, std::string what,
                     RequestTracker::OnReply on_reply, RequestTracker::OnError on_error);
   // Sends every part; the future completes with result() once all replied, or fails at the first error.
   Future send_parts(MessageKind kind, std::vector<ServerPart> parts, const std::string& what, c10::TypePtr type,

@@ -204,14 +204,14 @@ Request decode_request(MessageKind kind, const uint8_t* payload, size_t size) {
 void encode_dense_items(WireWriter& writer, const std::vector<DenseItem>& items, bool with_data) {
   size_t bytes = 4;
   for (const auto& item : items) {
-    bytes += 44 + 8 * item.shape.size() + (with_data ? item.numel * c10::elementSize(item.dtype) : 0);
+    bytes += 44 + 8 * item.shape.size();
   }
   writer.reserve(writer.size() + bytes);
   write_items(writer, items, [&](const DenseItem& item) {
     write_shape(writer, item.shape);
     writer.put<int64_t>(item.numel);
     if (with_data) {
-      writer.put_data(item.data, item.numel * c10::elementSize(item.dtype));
+      writer.put_data_view(item.data, item.numel * c10::elementSize(item.dtype));
     }
   });
 }

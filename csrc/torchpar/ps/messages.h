@@ -64,6 +64,7 @@ struct Request {
 // Throws with the reason on anything malformed; pointers in the result point into `payload`.
 Request decode_request(MessageKind kind, const uint8_t* payload, size_t size);
 
+// The items' data are viewed, not copied (WireWriter::put_data_view).
 void encode_dense_items(WireWriter& writer, const std::vector<DenseItem>& items, bool with_data);
 void encode_rows_items(WireWriter& writer, const std::vector<RowsItem>& items, bool with_data);
 void encode_registration(WireWriter& writer, const DenseRegistration& registration);

@@ -97,6 +97,10 @@ void OutgoingRing::close_descriptor() {
 }
 
 std::optional<uint64_t> OutgoingRing::write(const void* bytes, size_t size) {
+  return write(size, [&](uint8_t* out) { std::memcpy(out, bytes, size); });
+}
+
+std::optional<uint64_t> OutgoingRing::write(size_t size, const std::function<void(uint8_t*)>& fill) {
   if (size > capacity_) return std::nullopt;
   // The unread payloads are those the receiver has not read past; the first of them is where the
   // occupied bytes start (a payload that went to the beginning left the end of the lap before it free).
@@ -111,7 +115,7 @@ std::optional<uint64_t> OutgoingRing::write(const void* bytes, size_t size) {
     if (position % capacity_ + size > capacity_) position = round_up(position, capacity_);  // never split one
     if (position + size - unread_.front().first > capacity_) return std::nullopt;  // it would reach unread bytes
   }
-  std::memcpy(data() + position % capacity_, bytes, size);
+  fill(reinterpret_cast<uint8_t*>(data() + position % capacity_));
   written_ = position + size;
   unread_.emplace_back(position, written_);
   header_of(mapping_)->written.store(written_, std::memory_order_release);

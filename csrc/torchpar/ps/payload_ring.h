@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -41,6 +42,8 @@ class OutgoingRing {
   // Copies `bytes` into the ring and returns where they start, or nothing when the ring has not that
   // much free space now (the caller sends them another way: it never waits for the receiver).
   std::optional<uint64_t> write(const void* data, size_t bytes);
+  // The same, for a payload `fill` writes into the ring's `bytes` at the pointer it is given.
+  std::optional<uint64_t> write(size_t bytes, const std::function<void(uint8_t*)>& fill);
   int64_t capacity() const { return static_cast<int64_t>(capacity_); }
 
  private:

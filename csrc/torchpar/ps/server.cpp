@@ -100,7 +100,7 @@ class Server {
   Table& table(uint32_t id);
 
   void send(int worker, Message message);
-  void reply_ok(int worker, int64_t id, std::vector<uint8_t> payload = {});
+  void reply_ok(int worker, int64_t id, WireWriter payload = {});
   void reply_error(int worker, int64_t id, const std::string& reason);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
@@ -144,7 +144,7 @@ void Server::send(int worker, Message message) {
   channels_[worker]->send(std::move(message));
 }
 
-void Server::reply_ok(int worker, int64_t id, std::vector<uint8_t> payload) {
+void Server::reply_ok(int worker, int64_t id, WireWriter payload) {
   send(worker, make_message(MessageKind::Ok, id, std::move(payload)));
 }
 
@@ -223,7 +223,7 @@ void Server::handle_message(int worker, Message&& message) {
   summary_.bytes_in += Frame::kFields * 8 + frame.payload_bytes;
   if (consistency_.state(worker) == WorkerState::Lost) {
     if (frame.kind == MessageKind::Finish) {
-      send(worker, make_message(MessageKind::Bye, frame.request_id, {}));
+      send(worker, make_message(MessageKind::Bye, frame.request_id));
     } else {
       reply_error(worker, frame.request_id,
                   "torchpar.ps: " + who(worker) + " was dropped by server " + std::to_string(index_) +
@@ -279,7 +279,7 @@ void Server::dispatch(int worker, const Frame& frame, Request&& request, at::Ten
       consistency_.finish(worker);
       refuse_waiting(worker, "torchpar.ps: " + who(worker) + " finished while this request waited");
       info(who(worker) + " finished; " + std::to_string(consistency_.active_count()) + " still training");
-      send(worker, make_message(MessageKind::Bye, id, {}));
+      send(worker, make_message(MessageKind::Bye, id));
       return;
     default:
       break;
@@ -315,11 +315,10 @@ void Server::apply_pushes(int worker, const Request& request) {
 }
 
 void Server::answer_reads(int worker, int64_t id, const Request& request) {
+  // The reply views the tables' values (and the rows read): under this server's lock nothing changes
+  // them before reply_ok has sent them, so they are copied once, straight into the channel's ring.
   WireWriter writer;
-  size_t bytes = 0;
-  for (const auto& item : request.dense) bytes += 8 + item.numel * c10::elementSize(item.dtype);
-  for (const auto& item : request.rows) bytes += 8 + item.count * item.dim * c10::elementSize(item.dtype);
-  writer.reserve(bytes);
+  std::vector<at::Tensor> rows_read;
   const int64_t ahead = request.kind == MessageKind::PushPull ? 1 : 0;
   for (const auto& item : request.dense) {
     const auto& t = static_cast<const DenseTable&>(*tables_[item.table]);
@@ -327,7 +326,7 @@ void Server::answer_reads(int worker, int64_t id, const Request& request) {
     if (slowest != std::numeric_limits<int64_t>::max()) {
       summary_.max_staleness = std::max(summary_.max_staleness, item.clock + ahead - slowest);
     }
-    writer.put_data(t.values().const_data_ptr(), t.values().nbytes());
+    writer.put_data_view(t.values().const_data_ptr(), t.values().nbytes());
   }
   for (const auto& item : request.rows) {
     auto& t = static_cast<SparseTable&>(*tables_[item.table]);
@@ -335,10 +334,10 @@ void Server::answer_reads(int worker, int64_t id, const Request& request) {
     if (slowest != std::numeric_limits<int64_t>::max()) {
       summary_.max_staleness = std::max(summary_.max_staleness, item.clock - slowest);
     }
-    const auto rows = t.read_rows(item.ids, item.count);
-    writer.put_data(rows.const_data_ptr(), rows.nbytes());
+    rows_read.push_back(t.read_rows(item.ids, item.count));
+    writer.put_data_view(rows_read.back().const_data_ptr(), rows_read.back().nbytes());
   }
-  reply_ok(worker, id, writer.release());
+  reply_ok(worker, id, std::move(writer));
 }
 
 void Server::advance() {
@@ -495,7 +494,7 @@ void Server::answer_registration(int worker, int64_t id, const std::string& name
   const uint32_t table = table_ids_.at(name);
   WireWriter writer;
   encode_registered(writer, Registered{table, tables_[table]->pushes[worker], checkpoint_.holds(name)});
-  reply_ok(worker, id, writer.release());
+  reply_ok(worker, id, std::move(writer));
 }
 
 void Server::log_stats() {

@@ -55,9 +55,46 @@ void WireWriter::put_string(const std::string& text) {
   append(text.data(), text.size());
 }
 
+void WireWriter::align() {
+  bytes_.resize(bytes_.size() + (8 - size() % 8) % 8, 0);
+}
+
 void WireWriter::put_data(const void* data, size_t bytes) {
-  bytes_.resize((bytes_.size() + 7) / 8 * 8, 0);
+  align();
   append(data, bytes);
+}
+
+void WireWriter::put_data_view(const void* data, size_t bytes) {
+  align();
+  if (bytes == 0) return;
+  views_.emplace_back(bytes_.size(), ByteSpan{static_cast<const uint8_t*>(data), bytes});
+  viewed_bytes_ += bytes;
+}
+
+std::vector<ByteSpan> WireWriter::spans() const {
+  std::vector<ByteSpan> spans;
+  size_t own = 0;
+  for (const auto& [before, view] : views_) {
+    if (before > own) spans.push_back({bytes_.data() + own, before - own});
+    spans.push_back(view);
+    own = before;
+  }
+  if (bytes_.size() > own) spans.push_back({bytes_.data() + own, bytes_.size() - own});
+  return spans;
+}
+
+std::vector<uint8_t> WireWriter::release() {
+  if (views_.empty()) return std::move(bytes_);
+  std::vector<uint8_t> flat(size());
+  uint8_t* out = flat.data();
+  for (const auto& span : spans()) {
+    std::memcpy(out, span.data, span.bytes);
+    out += span.bytes;
+  }
+  bytes_.clear();
+  views_.clear();
+  viewed_bytes_ = 0;
+  return flat;
 }
 
 const uint8_t* WireReader::take(size_t bytes, const char* field) {

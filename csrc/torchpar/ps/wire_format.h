@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torchpar::ps {
@@ -56,6 +57,11 @@ void encode_frame(const Frame& frame, int64_t* fields);
 // Throws when the magic or version is wrong: the peer speaks another protocol.
 Frame decode_frame(const int64_t* fields);
 
+struct ByteSpan {
+  const uint8_t* data;
+  size_t bytes;
+};
+
 class WireWriter {
  public:
   template <typename T>
@@ -65,13 +71,25 @@ class WireWriter {
   void put_string(const std::string& text);
   // Tensor data starts on an 8-byte boundary so the receiver can use it in place.
   void put_data(const void* data, size_t bytes);
+  // put_data without the copy: the payload only points at the bytes, which the sender then copies once,
+  // straight to where they go (a payload ring, the frame). They must stay unchanged until then.
+  void put_data_view(const void* data, size_t bytes);
   void append(const void* data, size_t bytes);
   void reserve(size_t bytes) { bytes_.reserve(bytes); }
-  std::vector<uint8_t> release() { return std::move(bytes_); }
-  size_t size() const { return bytes_.size(); }
+  // The payload as one buffer (viewed data copied in).
+  std::vector<uint8_t> release();
+  size_t size() const { return bytes_.size() + viewed_bytes_; }
+  bool has_views() const { return !views_.empty(); }
+  // The payload in order: the writer's own bytes with the viewed data between them.
+  std::vector<ByteSpan> spans() const;
 
  private:
+  void align();
+
   std::vector<uint8_t> bytes_;
+  // Viewed data and how many of bytes_ come before it.
+  std::vector<std::pair<size_t, ByteSpan>> views_;
+  size_t viewed_bytes_ = 0;
 };
 
 // Reads what WireWriter wrote; a read past the end throws naming the field.
