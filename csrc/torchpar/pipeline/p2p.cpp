@@ -89,13 +89,25 @@ std::string describe(const TensorMetas& metas) {
 bool carries_gradient(const TensorMeta& meta) { return c10::isFloatingType(meta.dtype) || c10::isComplexType(meta.dtype); }
 
 StageLinks::StageLinks(c10::intrusive_ptr<c10d::ProcessGroup> group, const c10::Device& device)
-    : group_(std::move(group)), device_(device), guess_shapes_(!device.is_cuda()) {}
+    : group_(std::move(group)), device_(device), guess_shapes_(!device.is_cuda()) {
+  if (device_.is_cpu()) rings_ = SameHostRings::connect(*group_, SameHostRings::default_ring_bytes());
+}
+
+c10::intrusive_ptr<c10d::Work> StageLinks::post_send(std::vector<at::Tensor>& data, int destination, int tag) {
+  if (rings_ && rings_->connects(destination)) return rings_->send(data[0], destination, tag);
+  return group_->send(data, destination, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> StageLinks::post_recv(std::vector<at::Tensor>& buffer, int source, int tag) {
+  if (rings_ && rings_->connects(source)) return rings_->recv(buffer[0], source, tag);
+  return group_->recv(buffer, source, tag);
+}
 
 void StageLinks::send(const Tensors& tensors, int destination, int stage, int microbatch, int (*channel)(size_t),
                       const std::string& what) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::vector<at::Tensor> data{tensors[i].contiguous()};
-    sends_.push_back({data, group_->send(data, destination, tag_of(stage, microbatch, channel(i))), what});
+    sends_.push_back({data, post_send(data, destination, tag_of(stage, microbatch, channel(i))), what});
   }
 }
 
@@ -104,7 +116,7 @@ void StageLinks::send_activations(const Tensors& tensors, int stage, int microba
   const std::string what = "sending stage " + std::to_string(stage) + "'s input for micro-batch " +
                            std::to_string(microbatch) + " to rank " + std::to_string(destination);
   std::vector<at::Tensor> header{encode_header(metas, stage, microbatch).to(device_)};
-  sends_.push_back({header, group_->send(header, destination, tag_of(stage, microbatch, 0)), what});
+  sends_.push_back({header, post_send(header, destination, tag_of(stage, microbatch, 0)), what});
   auto last = last_sent_.find(stage);
   const bool guessed = guess_shapes_ && last != last_sent_.end();
   if (guessed && last->second == metas) {
@@ -128,7 +140,7 @@ Tensors StageLinks::receive(const TensorMetas& metas, int source, int stage, int
   for (size_t i = 0; i < metas.size(); ++i) {
     std::vector<at::Tensor> buffer{at::empty(metas[i].sizes, at::TensorOptions().dtype(metas[i].dtype).device(device_))};
     data.push_back(buffer[0]);
-    posted->push_back(group_->recv(buffer, source, tag_of(stage, microbatch, channel(i))));
+    posted->push_back(post_recv(buffer, source, tag_of(stage, microbatch, channel(i))));
   }
   return data;
 }
@@ -139,7 +151,7 @@ void StageLinks::read_header(int stage, int microbatch, Incoming& incoming) {
   }
   if (!incoming.header_work) {
     std::vector<at::Tensor> buffer{incoming.header};
-    incoming.header_work = group_->recv(buffer, incoming.source, tag_of(stage, microbatch, 0));
+    incoming.header_work = post_recv(buffer, incoming.source, tag_of(stage, microbatch, 0));
   }
   wait_or_explain(*incoming.header_work, "receiving the activation header from", stage, microbatch, incoming.source);
   incoming.metas = decode_header(incoming.header.cpu(), stage, microbatch);
@@ -160,7 +172,7 @@ void StageLinks::post_activations(int stage, int microbatch, int source) {
   incoming.header = at::empty({kHeaderSlots}, at::TensorOptions().dtype(at::kLong).device(device_));
   if (guess_shapes_) {
     std::vector<at::Tensor> buffer{incoming.header};
-    incoming.header_work = group_->recv(buffer, source, tag_of(stage, microbatch, 0));
+    incoming.header_work = post_recv(buffer, source, tag_of(stage, microbatch, 0));
     auto last = last_received_.find(stage);
     if (last != last_received_.end()) {
       incoming.guess = last->second;
@@ -204,7 +216,7 @@ void StageLinks::send_gradients(const Tensors& gradients, const TensorMetas& met
         gradients[i].defined()
             ? gradients[i].contiguous()
             : at::zeros(metas[i].sizes, at::TensorOptions().dtype(metas[i].dtype).device(device_))};
-    sends_.push_back({data, group_->send(data, destination, tag_of(stage, microbatch, gradient_channel(i))), what});
+    sends_.push_back({data, post_send(data, destination, tag_of(stage, microbatch, gradient_channel(i))), what});
   }
 }
 
@@ -218,7 +230,7 @@ PendingGradients StageLinks::post_gradients(const TensorMetas& metas, int stage,
     std::vector<at::Tensor> buffer{
         at::empty(metas[i].sizes, at::TensorOptions().dtype(metas[i].dtype).device(device_))};
     pending.data_.push_back(buffer[0]);
-    pending.work_.push_back(group_->recv(buffer, source, tag_of(stage, microbatch, gradient_channel(i))));
+    pending.work_.push_back(post_recv(buffer, source, tag_of(stage, microbatch, gradient_channel(i))));
   }
   pending.stage_ = stage;
   pending.microbatch_ = microbatch;
@@ -249,6 +261,7 @@ void StageLinks::wait_sends() {
 void StageLinks::discard_pending() {
   incoming_.clear();
   sends_.clear();
+  if (rings_) rings_->discard_pending();
   // Which transfers of the failed step completed is unknown: the next step starts without guesses.
   last_sent_.clear();
   last_received_.clear();

@@ -14,6 +14,7 @@
 // header told it the new shapes.
 #pragma once
 #include <torchpar/common/c10d_fwd.h>
+#include <torchpar/pipeline/same_host_rings.h>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -53,6 +54,7 @@ class PendingGradients {
 
 class StageLinks {
  public:
+  // Collective over `group` (it connects the same-host rings, same_host_rings.h, for CPU messages).
   StageLinks(c10::intrusive_ptr<c10d::ProcessGroup> group, const c10::Device& device);
 
   // `stage` is the receiving stage, `destination` its rank.
@@ -99,8 +101,13 @@ class StageLinks {
   void send(const Tensors& tensors, int destination, int stage, int microbatch, int (*channel)(size_t),
             const std::string& what);
 
+  // Through the shared-memory rings when the peer is a neighbour on this host, else through the group.
+  c10::intrusive_ptr<c10d::Work> post_send(std::vector<at::Tensor>& data, int destination, int tag);
+  c10::intrusive_ptr<c10d::Work> post_recv(std::vector<at::Tensor>& buffer, int source, int tag);
+
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   c10::Device device_;
+  std::unique_ptr<SameHostRings> rings_;  // null: every message through the group
   // NCCL pairs messages in posting order, not by tag: there, no activation receive is posted ahead
   // of its header (and the pipeline refuses the schedules whose two ends post in different orders).
   bool guess_shapes_;

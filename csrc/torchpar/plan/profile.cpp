@@ -1,7 +1,7 @@
 #include <torchpar/plan/profile.h>
 
 #include <torchpar/ps/channel.h>
-#include <torchpar/ps/payload_ring.h>
+#include <torchpar/common/memfd_region.h>
 
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
@@ -275,7 +275,7 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
   network.all_gather = gathers ? fit_link_cost(sizes, all_gather_ms) : network.all_reduce;
   network.reduce_scatter = scatters ? fit_link_cost(sizes, reduce_scatter_ms) : network.all_reduce;
   // One host when every rank names the same one (the lowest and the highest hash of the names agree).
-  const auto host = static_cast<int64_t>(std::hash<std::string>()(ps::ring_host()));
+  const auto host = static_cast<int64_t>(std::hash<std::string>()(memfd_host_key()));
   std::vector<at::Tensor> lowest{at::full({1}, host, at::kLong)}, highest{at::full({1}, host, at::kLong)};
   group->allreduce(lowest, {c10d::ReduceOp::MIN})->wait();
   group->allreduce(highest, {c10d::ReduceOp::MAX})->wait();

@@ -9,7 +9,6 @@
 
 #include <c10/util/Logging.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <set>
@@ -64,13 +63,7 @@ RingOffer decode_offer(const uint8_t* bytes) {
 } // namespace
 
 int64_t Channel::default_ring_bytes() {
-  const char* text = std::getenv("TORCHPAR_PS_RING_BYTES");
-  if (text == nullptr || *text == '\0') return int64_t{64} << 20;
-  char* end = nullptr;
-  const long long bytes = std::strtoll(text, &end, 10);
-  TORCH_CHECK(*end == '\0' && bytes >= 0, "TORCHPAR_PS_RING_BYTES=", text,
-              ": expected a number of bytes (0 sends every payload through Gloo)");
-  return bytes;
+  return ring_bytes_from_environment("TORCHPAR_PS_RING_BYTES", int64_t{64} << 20, "0 sends every payload through Gloo");
 }
 
 Message make_message(MessageKind kind, int64_t request_id, std::vector<uint8_t> payload) {

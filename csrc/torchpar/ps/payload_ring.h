@@ -5,6 +5,8 @@
 // wake-ups and a dead peer's broken connection stay Gloo's); the receiver copies it out and hands the
 // space back. The ring is an anonymous memfd the receiver maps through /proc/<pid>/fd/<fd>: no name
 // in /dev/shm, so a process killed at any moment leaves nothing behind.
+#include <torchpar/common/memfd_region.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -18,21 +20,18 @@ namespace torchpar::ps {
 
 // What a sender tells its peer so the peer can map the sender's ring.
 struct RingOffer {
-  std::string host;      // host_id() plus the kernel's boot id
+  std::string host;      // memfd_host_key()
   int64_t pid = 0;
   int64_t fd = 0;
   uint64_t token = 0;    // random; the mapped ring must hold it (another process with that pid and fd is refused)
   int64_t capacity = 0;  // data bytes
 };
 
-std::string ring_host();
-
 // The sending side: created by the sender, written only by it.
 class OutgoingRing {
  public:
   // A ring of `capacity` data bytes (rounded up to whole pages); throws if memory cannot be had.
   explicit OutgoingRing(int64_t capacity);
-  ~OutgoingRing();
   OutgoingRing(const OutgoingRing&) = delete;
   OutgoingRing& operator=(const OutgoingRing&) = delete;
 
@@ -49,10 +48,8 @@ class OutgoingRing {
  private:
   char* data() const;
 
-  void* mapping_ = nullptr;
-  size_t mapping_bytes_ = 0;
+  MemfdRegion region_;
   uint64_t capacity_ = 0;
-  int fd_ = -1;
   uint64_t token_ = 0;
   uint64_t written_ = 0;  // position after the last payload written
   std::deque<std::pair<uint64_t, uint64_t>> unread_;  // payloads written and maybe not read: [start, end)
@@ -64,7 +61,6 @@ class IncomingRing {
   // Maps the ring `offer` describes, or returns null with the reason in `why_not` (another host, a
   // /proc this process may not read, a token that does not match).
   static std::unique_ptr<IncomingRing> open(const RingOffer& offer, std::string* why_not);
-  ~IncomingRing();
   IncomingRing(const IncomingRing&) = delete;
   IncomingRing& operator=(const IncomingRing&) = delete;
 
@@ -76,10 +72,8 @@ class IncomingRing {
   void release(uint64_t position, size_t bytes);
 
  private:
-  IncomingRing(void* mapping, size_t mapping_bytes, uint64_t capacity)
-      : mapping_(mapping), mapping_bytes_(mapping_bytes), capacity_(capacity) {}
-  void* mapping_;
-  size_t mapping_bytes_;
+  IncomingRing(MemfdRegion region, uint64_t capacity) : region_(std::move(region)), capacity_(capacity) {}
+  MemfdRegion region_;
   uint64_t capacity_;
   uint64_t consumed_ = 0;  // position after the last payload read
 };
