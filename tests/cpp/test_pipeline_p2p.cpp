@@ -1,5 +1,6 @@
 // pipeline/p2p: activations forward and gradients backward between two stages' ranks (2 forked ranks,
-// Gloo and shm), including shapes that change between micro-batches and integer tensors.
+// Gloo and shm, through the same-host rings and through the group), including shapes that change between
+// micro-batches and integer tensors.
 #include "catch_with_torch.h"
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
@@ -9,6 +10,8 @@
 #include <torchpar/pipeline/p2p.h>
 
 #include "harness.h"
+
+#include <cstdlib>
 
 namespace pipeline = torchpar::pipeline;
 using torchpar::testing::RankOptions;
@@ -33,11 +36,15 @@ TEST_CASE("pipeline p2p: activations and gradients arrive exact, with shapes cha
           "[pipeline]") {
   RankOptions options;
   options.backend = GENERATE(std::string("gloo"), std::string("shm"));
+  const bool rings = GENERATE(true, false);  // through the same-host rings, or the group's send/recv
+  INFO(options.backend << (rings ? ", rings" : ", no rings"));
   constexpr int kMicrobatches = 5;
   constexpr int kStage = 1;  // the receiving stage, on rank 1
-  run_on_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+  run_on_ranks(2, [rings](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    ::setenv("TORCHPAR_PIPELINE_RING_BYTES", rings ? "1048576" : "0", 1);  // this forked rank's own environment
     for (int step = 0; step < 2; ++step) {  // the second step starts from the first one's shapes
       pipeline::StageLinks links(pg, c10::Device(c10::kCPU));
+      REQUIRE(links.through_rings(1 - rank) == rings);
       if (rank == 0) {
         // Sends never block: all micro-batches go out before any gradient is waited for.
         for (int m = 0; m < kMicrobatches; ++m) links.send_activations(activations(m), kStage, m, 1);

@@ -93,13 +93,17 @@ StageLinks::StageLinks(c10::intrusive_ptr<c10d::ProcessGroup> group, const c10::
   if (device_.is_cpu()) rings_ = SameHostRings::connect(*group_, SameHostRings::default_ring_bytes());
 }
 
+bool StageLinks::through_rings(int peer) const {
+  return rings_ && rings_->connects(peer);
+}
+
 c10::intrusive_ptr<c10d::Work> StageLinks::post_send(std::vector<at::Tensor>& data, int destination, int tag) {
-  if (rings_ && rings_->connects(destination)) return rings_->send(data[0], destination, tag);
+  if (through_rings(destination)) return rings_->send(data[0], destination, tag);
   return group_->send(data, destination, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> StageLinks::post_recv(std::vector<at::Tensor>& buffer, int source, int tag) {
-  if (rings_ && rings_->connects(source)) return rings_->recv(buffer[0], source, tag);
+  if (through_rings(source)) return rings_->recv(buffer[0], source, tag);
   return group_->recv(buffer, source, tag);
 }
 

@@ -74,6 +74,9 @@ class StageLinks {
   PendingGradients post_gradients(const TensorMetas& metas, int stage, int microbatch, int source);
   Tensors wait(PendingGradients& pending);
 
+  // Whether messages to and from `peer` go through the same-host rings.
+  bool through_rings(int peer) const;
+
   // Sends complete in the background; waited for (and their buffers released) at the end of a step.
   void wait_sends();
   // After a failed step: forget receives that will never be completed.

@@ -148,12 +148,15 @@ std::unique_ptr<SameHostRings> SameHostRings::connect(c10d::ProcessGroup& group,
       continue;
     }
     if (field(peer, 2) != 1) {
+      why_not = "rank " + std::to_string(peer) + " has none (TORCHPAR_PIPELINE_RING_BYTES=0 there, or it could not "
+                "create one)";
       usable = false;
       break;
     }
     const int64_t fd = field(peer, 4 + 2 * rank), token = field(peer, 5 + 2 * rank), peer_capacity = field(peer, 3);
     auto region = MemfdRegion::open(field(peer, 1), fd, kHeaderBytes + static_cast<size_t>(peer_capacity), &why_not);
-    if (!region || static_cast<int64_t>(header_of(*region).token) != token) {
+    if (!region || static_cast<int64_t>(header_of(*region).token) != token ||
+        static_cast<int64_t>(header_of(*region).capacity) != peer_capacity) {
       if (region) why_not = "a ring that is not the peer's (another process with that id?)";
       usable = false;
       break;
