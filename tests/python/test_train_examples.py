@@ -78,9 +78,11 @@ def test_python_train_pipeline_reaches_95_percent(digits, free_port, ranks, opti
                                            (4, ["--consistency", "ssp", "--staleness", "2", "--servers", "2"])],
                          ids=["bsp-1server", "ssp-2servers"])
 def test_cpp_train_ps_reaches_95_percent(build_dir, digits, free_port, ranks, options):
+    """Every worker's own model must reach 95% (its exit status). After 10 epochs under SSP over 2 servers,
+    worker 1's read 95.5-98.6% in 36 runs and once below 95% inside the whole suite: 15 epochs read 97.5-98.6%."""
     binary = build_dir / "examples" / "cpp" / "train_ps"
     result = torchrun(f"--nproc-per-node={ranks}", f"--master-port={free_port}", "--no-python", binary,
-                      "--data", digits, "--epochs", "10", *options)
+                      "--data", digits, "--epochs", "15", *options)
     assert result.returncode == 0, result.stdout + result.stderr
     assert accuracy_in(result.stdout) >= 95.0
     servers = ranks - 2
