@@ -3,6 +3,7 @@
 #include <torchpar/common/control_collectives.h>
 #include <torchpar/common/error_message.h>
 #include <torchpar/common/process_state.h>
+#include <torchpar/comm/shm/process_group_shm.h>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
@@ -71,7 +72,9 @@ uint64_t record_bytes(uint64_t data_bytes) {
 
 std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group) {
   try {
-    return group.getBackend(c10::DeviceType::CPU)->getBackendOptions()->timeout;
+    const auto backend = group.getBackend(c10::DeviceType::CPU);
+    if (const auto* shm = dynamic_cast<const comm::shm::ProcessGroupShm*>(backend.get())) return shm->timeout();
+    return backend->getBackendOptions()->timeout;
   } catch (const std::exception&) {
     return kDefaultTimeout;  // a backend that does not say
   }

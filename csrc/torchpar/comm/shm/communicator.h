@@ -65,6 +65,9 @@ class Communicator {
   void set_timeout(std::chrono::milliseconds timeout) {
     timeout_ms_.store(timeout.count());
   }
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(timeout_ms_.load());
+  }
 
   // Every rank contributes `stream` (lengths may differ between ranks) and receives `wants`.
   void exchange(OpDescriptor descriptor, const char* stream, uint64_t stream_bytes, const std::vector<Want>& wants);

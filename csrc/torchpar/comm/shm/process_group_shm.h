@@ -38,6 +38,10 @@ class ProcessGroupShm : public c10d::Backend {
     return "shm";
   }
   void setTimeout(std::chrono::milliseconds timeout) override;
+  // What an op waits for a peer at most (for torchpar's own transports beside this group).
+  std::chrono::milliseconds timeout() const {
+    return communicator_.timeout();
+  }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
