@@ -1,6 +1,7 @@
 #include <torchpar/pipeline/p2p.h>
 
 #include <torchpar/common/error_message.h>
+#include <torchpar/pipeline/same_host_rings.h>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -92,6 +93,8 @@ StageLinks::StageLinks(c10::intrusive_ptr<c10d::ProcessGroup> group, const c10::
     : group_(std::move(group)), device_(device), guess_shapes_(!device.is_cuda()) {
   if (device_.is_cpu()) rings_ = SameHostRings::connect(*group_, SameHostRings::default_ring_bytes());
 }
+
+StageLinks::~StageLinks() = default;
 
 bool StageLinks::through_rings(int peer) const {
   return rings_ && rings_->connects(peer);

@@ -14,12 +14,12 @@
 // header told it the new shapes.
 #pragma once
 #include <torchpar/common/c10d_fwd.h>
-#include <torchpar/pipeline/same_host_rings.h>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -44,6 +44,8 @@ TensorMetas metas_of(const Tensors& tensors);
 std::string describe(const TensorMetas& metas);
 bool carries_gradient(const TensorMeta& meta);
 
+class SameHostRings;
+
 class PendingGradients {
  private:
   friend class StageLinks;
@@ -56,6 +58,7 @@ class StageLinks {
  public:
   // Collective over `group` (it connects the same-host rings, same_host_rings.h, for CPU messages).
   StageLinks(c10::intrusive_ptr<c10d::ProcessGroup> group, const c10::Device& device);
+  ~StageLinks();
 
   // `stage` is the receiving stage, `destination` its rank.
   void send_activations(const Tensors& tensors, int stage, int microbatch, int destination);
