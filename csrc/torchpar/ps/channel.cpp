@@ -89,10 +89,7 @@ namespace {
 
 void copy_payload(const Message& message, uint8_t* out) {
   if (message.viewing) {
-    for (const auto& span : message.viewing->spans()) {
-      std::memcpy(out, span.data, span.bytes);
-      out += span.bytes;
-    }
+    message.viewing->copy_to(out);
   } else if (message.payload.defined()) {
     std::memcpy(out, message.payload.const_data_ptr(), message.frame.payload_bytes);
   }

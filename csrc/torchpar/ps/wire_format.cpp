@@ -83,14 +83,17 @@ std::vector<ByteSpan> WireWriter::spans() const {
   return spans;
 }
 
-std::vector<uint8_t> WireWriter::release() {
-  if (views_.empty()) return std::move(bytes_);
-  std::vector<uint8_t> flat(size());
-  uint8_t* out = flat.data();
+void WireWriter::copy_to(uint8_t* out) const {
   for (const auto& span : spans()) {
     std::memcpy(out, span.data, span.bytes);
     out += span.bytes;
   }
+}
+
+std::vector<uint8_t> WireWriter::release() {
+  if (views_.empty()) return std::move(bytes_);
+  std::vector<uint8_t> flat(size());
+  copy_to(flat.data());
   bytes_.clear();
   views_.clear();
   viewed_bytes_ = 0;

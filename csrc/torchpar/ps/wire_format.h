@@ -82,6 +82,8 @@ class WireWriter {
   bool has_views() const { return !views_.empty(); }
   // The payload in order: the writer's own bytes with the viewed data between them.
   std::vector<ByteSpan> spans() const;
+  // Those spans, one after another, into `out` (size() bytes).
+  void copy_to(uint8_t* out) const;
 
  private:
   void align();
