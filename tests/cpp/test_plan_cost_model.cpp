@@ -127,6 +127,15 @@ TEST_CASE("plan: a pipeline's step is the simulator's makespan of its stage cost
   // Transfers of 1 ms, activations forward and gradients back: one more ms each way on the critical path.
   auto slow = plan::predict(equal_layers(2, 2 * kMiB), network(1, 0), batch_of(8), pipe);
   CHECK(slow.step_ms == Approx(p.step_ms + 2));
+  // Through same-host rings the transfers cost the stages' own link, not the group's send/recv.
+  auto through_rings = network(1, 0);
+  through_rings.stage_transfer = plan::LinkCost{0.25, 0};
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), through_rings, batch_of(8), pipe).step_ms == Approx(p.step_ms + 0.5));
+  // ... which slows with the load as the group's links do.
+  plan::Calibration loaded;
+  loaded.communication_scale = 2;
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), through_rings, batch_of(8), pipe, loaded).step_ms >
+        p.step_ms + 0.5 + 1e-6);
 }
 
 TEST_CASE("plan: a parameter server's step is the slower of a worker and a server") {

@@ -9,11 +9,12 @@ from test_torchrun import clean_env
 MiB = 1 << 20
 
 
-def plan(tmp_path, model, *options):
+def plan(tmp_path, model, *options, **environment):
     result = subprocess.run([sys.executable, "-m", "torchpar.plan", "--model", f"torchpar.plan.examples:{model}",
                              "--out", str(tmp_path), *map(str, options)],
                             capture_output=True, text=True, timeout=300,
-                            env=clean_env(TORCHPAR_PLAN_CALIBRATION=str(tmp_path / "calibration.json")))
+                            env=clean_env(TORCHPAR_PLAN_CALIBRATION=str(tmp_path / "calibration.json"),
+                                          **environment))
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads((tmp_path / "plan.json").read_text()), result.stdout + result.stderr
 
@@ -54,10 +55,13 @@ def test_a_wide_embedding_over_the_memory_cap_goes_to_the_parameter_server(tmp_p
 
 
 def test_what_does_not_divide_is_excluded_by_name(tmp_path):
-    report, _ = plan(tmp_path, "digits_mlp", "--batch", 10, "--world", 3)
+    # With the pipeline's rings turned off (its messages through the group) the planner costs its transfers as
+    # the group's send/recv.
+    report, output = plan(tmp_path, "digits_mlp", "--batch", 10, "--world", 3, TORCHPAR_PIPELINE_RING_BYTES="0")
     reasons = {e["configuration"]: e["reason"] for e in report["excluded"]}
     assert reasons["ddp, 3 replicas"] == "batch 10 does not divide into 3 ranks"
     assert "the model has 2 layers, fewer than the 3 stages" in reasons.values()
+    assert "stage_transfer" not in report["network"] and "between stages through the group" in output
 
 
 def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
@@ -77,6 +81,8 @@ def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
     # come out zero where the communication x fitted before it already accounts for its tiny probe.)
     assert report["calibration"]["per_action_ms"] > 0, output
     assert report["machine_drift"] >= 1.0  # how far the machine's speed moved during the verification
+    # The pipeline's transfers between the ranks of this host were measured through its rings, as it sends them.
+    assert len(report["network"]["stage_transfer"]) == 2 and "between stages through same-host rings" in output
     assert "predicted against measured" not in output  # the plot's title, not stdout
     assert "verified (step ms)" in output and "the top-ranked configuration measured" in output
     # What it learned is kept for the next plan on this machine, which says it uses it, with every verified
@@ -109,6 +115,9 @@ def test_a_calibration_sample_survives_the_file_and_refits_the_same(tmp_path):
     network.all_reduce.alpha_ms, network.all_reduce.ms_per_byte = 0.5, 1e-6
     network.send_recv.alpha_ms, network.send_recv.ms_per_byte = 0.1, 5e-7
     network.copy.ms_per_byte = 1e-7
+    ring = engine.LinkCost()
+    ring.alpha_ms, ring.ms_per_byte = 0.02, 2e-7
+    network.stage_transfer = ring
     samples = []
     for strategy, fields in (("ddp", {}), ("pipeline", dict(microbatches=2, schedule="zero_bubble")),
                              ("ps", dict(servers=1))):
@@ -128,6 +137,7 @@ def test_a_calibration_sample_survives_the_file_and_refits_the_same(tmp_path):
     for original, copy in zip(samples, restored):
         assert copy.configuration.describe() == original.configuration.describe()
         assert copy.model.contention == 1.7 and copy.network.copy.ms_per_byte == 1e-7
+        assert copy.network.stage_transfer.alpha_ms == 0.02
         # The same prediction from the copy as from the original: nothing the cost model reads was lost.
         assert (engine.predict(copy.model, copy.network, copy.setup, copy.configuration).step_ms ==
                 engine.predict(original.model, original.network, original.setup, original.configuration).step_ms)

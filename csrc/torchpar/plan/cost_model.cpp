@@ -50,7 +50,9 @@ NetworkProfile under_load(const NetworkProfile& network, const Calibration& cali
   const double share = world > 1 ? std::clamp((busy - 1) / (world - 1), 0.0, 1.0) : 1.0;
   const double scale = 1 + (calibration.communication_scale - 1) * share;
   NetworkProfile loaded = network;
-  for (LinkCost* link : {&loaded.all_reduce, &loaded.send_recv, &loaded.all_gather, &loaded.reduce_scatter}) {
+  for (LinkCost* link : {&loaded.all_reduce, &loaded.send_recv, &loaded.all_gather, &loaded.reduce_scatter,
+                         loaded.stage_transfer ? &*loaded.stage_transfer : nullptr}) {
+    if (link == nullptr) continue;
     link->alpha_ms *= scale;
     link->ms_per_byte *= scale;
   }
@@ -347,7 +349,7 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
       const int64_t forward_bytes = stage + 1 < stages ? boundary_bytes(bounds[static_cast<size_t>(stage) + 1] - 1) : 0;
       const int64_t backward_bytes = stage > 0 ? boundary_bytes(bounds[static_cast<size_t>(stage)] - 1) : 0;
       const auto sent = static_cast<double>(std::max(forward_bytes, backward_bytes));
-      cost.transfer = stages > 1 ? busy_network.send_recv.milliseconds(sent) + calibration.per_transfer_ms : 0.0;
+      cost.transfer = stages > 1 ? busy_network.stage_link().milliseconds(sent) + calibration.per_transfer_ms : 0.0;
     }
     return costs;
   };

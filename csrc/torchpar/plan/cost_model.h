@@ -8,6 +8,7 @@
 #include <torchpar/pipeline/schedules.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,10 @@ struct NetworkProfile {
   LinkCost copy;
   LinkCost all_gather;
   LinkCost reduce_scatter;
+  // A pipeline's transfer between neighbouring stage ranks, where it does not go through the group: on
+  // one host through the pipeline's shared-memory rings (pipeline/same_host_rings.h). Unset: send_recv.
+  std::optional<LinkCost> stage_transfer;
+  const LinkCost& stage_link() const { return stage_transfer ? *stage_transfer : send_recv; }
   // Every rank on one host: the parameter server's payloads up to this many bytes go through its
   // shared-memory rings (ps/payload_ring.h: a Gloo frame, a copy in and a copy out); 0: through Gloo.
   int64_t ps_ring_bytes = 0;

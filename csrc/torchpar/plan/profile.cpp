@@ -1,5 +1,6 @@
 #include <torchpar/plan/profile.h>
 
+#include <torchpar/pipeline/same_host_rings.h>
 #include <torchpar/ps/channel.h>
 #include <torchpar/common/memfd_region.h>
 
@@ -230,7 +231,10 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
       return 0.0;
     }
   };
-  std::vector<double> sizes, all_reduce_ms, transfer_ms, copy_ms, all_gather_ms, reduce_scatter_ms;
+  // The pipeline's transfers between neighbouring stage ranks of one host go through its rings, which
+  // connect (for every rank or none) as the pipeline's would: ranks 0 and 1 are neighbours.
+  const auto rings = pipeline::SameHostRings::connect(*group, pipeline::SameHostRings::default_ring_bytes());
+  std::vector<double> sizes, all_reduce_ms, transfer_ms, ring_transfer_ms, copy_ms, all_gather_ms, reduce_scatter_ms;
   for (const int64_t size : sizes_bytes) {
     // Small transfers' means (where α comes from) over 4 times the runs: one slow wake-up of several
     // milliseconds in 25 runs of a 0.06 ms transfer made α 0.3 ms in every other plan here.
@@ -247,19 +251,27 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
     group->barrier()->wait();
     const double scatter = timed_if(scatters, [&] { group->reduce_scatter(piece, pieces)->wait(); });
     group->barrier()->wait();
-    double pingpong = 0;
-    if (rank < 2) {
-      pingpong = mean_without_stalls_ms(transfers, [&] {
+    // Half a round trip between ranks 0 and 1, through the group and through the rings.
+    const auto half_pingpong_ms = [&](const auto& send, const auto& recv) {
+      if (rank >= 2) return 0.0;
+      return mean_without_stalls_ms(transfers, [&] {
         if (rank == 0) {
-          group->send(buffer, 1, 0)->wait();
-          group->recv(buffer, 1, 0)->wait();
+          send(1)->wait();
+          recv(1)->wait();
         } else {
-          group->recv(buffer, 0, 0)->wait();
-          group->send(buffer, 0, 0)->wait();
+          recv(0)->wait();
+          send(0)->wait();
         }
       }) / 2;
-    }
+    };
+    const double pingpong = half_pingpong_ms([&](int peer) { return group->send(buffer, peer, 0); },
+                                             [&](int peer) { return group->recv(buffer, peer, 0); });
     group->barrier()->wait();
+    if (rings) {
+      ring_transfer_ms.push_back(slowest(half_pingpong_ms([&](int peer) { return rings->send(buffer[0], peer, 0); },
+                                                          [&](int peer) { return rings->recv(buffer[0], peer, 0); })));
+      group->barrier()->wait();
+    }
     auto destination = at::empty_like(buffer[0]);
     const double copy = mean_without_stalls_ms(repeats, [&] { destination.copy_(buffer[0]); });
     sizes.push_back(static_cast<double>(buffer[0].nbytes()));
@@ -271,6 +283,7 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
   }
   network.all_reduce = fit_link_cost(sizes, all_reduce_ms);
   network.send_recv = fit_link_cost(sizes, transfer_ms);
+  if (rings) network.stage_transfer = fit_link_cost(sizes, ring_transfer_ms);
   network.copy = fit_link_cost(sizes, copy_ms);
   network.all_gather = gathers ? fit_link_cost(sizes, all_gather_ms) : network.all_reduce;
   network.reduce_scatter = scatters ? fit_link_cost(sizes, reduce_scatter_ms) : network.all_reduce;

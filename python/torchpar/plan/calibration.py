@@ -90,6 +90,14 @@ def _link_from(values) -> object:
     return cost
 
 
+def network_fields(network) -> dict:
+    """A NetworkProfile's measured links as JSON fields, [α ms, β ms per byte] each (stage_transfer only where the
+    pipeline's transfers do not go through the group)."""
+    return {name: _link(getattr(network, name))
+            for name in ("all_reduce", "send_recv", "copy", "all_gather", "reduce_scatter", "stage_transfer")
+            if getattr(network, name) is not None}
+
+
 def sample_to_json(sample) -> dict:
     configuration = sample.configuration
     return dict(
@@ -97,8 +105,7 @@ def sample_to_json(sample) -> dict:
         batch=sample.model.batch,
         contention=sample.model.contention,
         layers=[{field: getattr(layer, field) for field in _LAYER_FIELDS} for layer in sample.model.layers],
-        network={name: _link(getattr(sample.network, name))
-                 for name in ("all_reduce", "send_recv", "copy", "all_gather", "reduce_scatter")},
+        network=network_fields(sample.network),
         ps_ring_bytes=sample.network.ps_ring_bytes,
         setup=dict(batch=sample.setup.batch, optimizer_state_factor=sample.setup.optimizer_state_factor,
                    optimizer_ms_per_byte=sample.setup.optimizer_ms_per_byte),
@@ -145,6 +152,8 @@ def sample_from_json(fields: dict):
     model.layers = layers
     sample.model = model
     network = _engine.NetworkProfile()
+    # Samples kept before the pipeline's rings existed have no stage_transfer: their pipelines sent through
+    # the group (send_recv).
     for name, values in fields["network"].items():
         setattr(network, name, _link_from(values))
     # Samples kept before the rings existed measured the parameter server through Gloo alone.

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar.allocator import keep_freed_memory
-from torchpar.plan.calibration import calibration_fields, configuration_fields, configuration_from_fields
+from torchpar.plan.calibration import calibration_fields, configuration_fields, configuration_from_fields, network_fields
 from torchpar.plan.calibration import describe as describe_calibration
 from torchpar.plan.host_overhead import measure_host_overheads
 
@@ -194,10 +194,14 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         result = planner.plan(model, model_profile, network, batch=args.batch, world=world,
                               memory_per_rank=args.memory_per_rank, optimizer_ms_per_byte=optimizer_ms_per_byte,
                               calibration=calibration)
-        logger.info("all-reduce %s, all-gather %s, reduce-scatter %s, transfer %s (%s, %d ranks), copy %.3f "
-                    "ms/MiB; %s", *(f"{link.alpha_ms:.3f} ms + {link.ms_per_byte * 2**20:.3f} ms/MiB" for link in
-                                    (network.all_reduce, network.all_gather, network.reduce_scatter,
-                                     network.send_recv)), args.backend, world, network.copy.ms_per_byte * 2**20,
+        logger.info("all-reduce %s, all-gather %s, reduce-scatter %s, transfer %s (%s, %d ranks), between "
+                    "stages %s, copy %.3f ms/MiB; %s",
+                    *(f"{link.alpha_ms:.3f} ms + {link.ms_per_byte * 2**20:.3f} ms/MiB" for link in
+                      (network.all_reduce, network.all_gather, network.reduce_scatter, network.send_recv)),
+                    args.backend, world,
+                    "through the group" if network.stage_transfer is None else
+                    f"through same-host rings {network.stage_transfer.alpha_ms:.3f} ms + "
+                    f"{network.stage_transfer.ms_per_byte * 2**20:.3f} ms/MiB", network.copy.ms_per_byte * 2**20,
                     ("calibration from earlier --verify runs: " if learned else "default calibration: ") +
                     describe_calibration(calibration))
         print(planner.render_table(result), flush=True)
@@ -208,6 +212,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                       memory_per_rank_cap=args.memory_per_rank,
                       calibration=calibration_fields(calibration),
                       calibration_learned=learned,
+                      network=network_fields(network),
                       probe_samples=len(probes),
                       ranked=[prediction_fields(p) for p in result.ranked],
                       excluded=[dict(configuration=e.configuration.describe(), reason=e.reason)
