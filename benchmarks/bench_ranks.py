@@ -1,5 +1,6 @@
 """What every benchmark needs to start its ranks on this host."""
 import datetime
+import logging
 import multiprocessing
 import os
 import queue
@@ -8,6 +9,17 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+
+def pin_ranks_unless_told() -> None:
+    """Every benchmark's ranks run pinned to their share of the cores (torchpar.bind_cores, which
+    torchpar.init_process_group applies under TORCHPAR_BIND_CORES=1), the anchor's and torchpar's alike in the
+    same processes: unpinned, the scheduler moving ranks between cores showed here as latency tails and steps
+    for Gloo and shm both. TORCHPAR_BIND_CORES=0 measures them unpinned."""
+    os.environ.setdefault("TORCHPAR_BIND_CORES", "1")
+    logging.getLogger("torchpar.bench").info(
+        "ranks pinned to their share of the cores (TORCHPAR_BIND_CORES=1; =0 runs them unpinned)"
+        if os.environ["TORCHPAR_BIND_CORES"] == "1" else "ranks not pinned (TORCHPAR_BIND_CORES=0)")
 
 
 def free_port() -> int:
@@ -50,8 +62,8 @@ def join_world(rank: int, world: int, port: int):
     import torchpar  # registers "shm"
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     torchpar.init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
+    torch.set_num_threads(1)  # after init_process_group: a pinned rank's share may hold more cores
     control = dist.new_group(backend="gloo")
     return control, {"gloo": dist.group.WORLD, "shm": dist.new_group(backend="shm")}

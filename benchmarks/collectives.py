@@ -5,7 +5,8 @@
 For each world size the script spawns that many ranks on this host; every rank joins a Gloo group
 and an shm group, and each (op, size) is timed op by op on both, in alternating blocks, in the same
 processes: the median (p50) and 90th percentile (p90) of the slowest rank. A plain memcpy of the same
-size (one process, torch's copy_) is measured as the physical bound. Bus bandwidth follows nccl-tests
+size (one process, torch's copy_) is measured as the physical bound, and the same memcpy on every rank
+at once (the slowest rank's median), the bound when the ranks share the memory bus. Bus bandwidth follows nccl-tests
 (from the median): allreduce algbw*2(n-1)/n, allgather algbw*(n-1)/n (size = output), broadcast algbw.
 Sizes double from 4 KiB. Prints the table and the shm all-reduce's targets (no step in the latency
 curve, a short tail, the speed-up over Gloo up to 1 MiB, bus bandwidth against memcpy at 16-64 MiB)
@@ -25,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench_ranks import free_port
+from bench_ranks import free_port, pin_ranks_unless_told
 from torchpar.plan.cli import parse_bytes  # "64MiB", "4 KiB", "1000000"
 
 logger = logging.getLogger("torchpar.bench")
@@ -85,15 +86,34 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
+def memcpy_at_once_rows(world: int, sizes: list[int], control) -> list[dict]:
+    """Every rank copying at once: the memory bandwidth each rank has while all of them move data."""
+    rows = []
+    for size in sizes:
+        source, target = torch.ones(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+        target.copy_(source)
+        iterations = max(5, int(TARGET_SECONDS / 4 * 4e9 / size))
+        dist.barrier(group=control)
+        seconds = []
+        for _ in range(iterations):
+            start = time.perf_counter()
+            target.copy_(source)
+            seconds.append(time.perf_counter() - start)
+        median = slowest_rank([percentile(seconds, 0.5)], control)[0]
+        rows.append(dict(op="memcpy", world=world, backend="memcpy", bytes=size, seconds=median,
+                         busbw_gbps=size / median / 1e9))
+    return rows
+
+
 def rank_main(rank: int, world: int, port: int, sizes: list[int], results) -> None:
     import torchpar  # registers "shm"
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     torchpar.init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
+    torch.set_num_threads(1)  # after init_process_group: a pinned rank's share may hold more cores
     control = dist.new_group(backend="gloo")
     groups = {"gloo": dist.group.WORLD, "shm": dist.new_group(backend="shm")}
-    rows = []
+    rows = memcpy_at_once_rows(world, sizes, control)
     progress = None
     if rank == 0:
         from tqdm import tqdm
@@ -146,10 +166,9 @@ def memcpy_rows(sizes: list[int]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     index = {(r["op"], r["world"], r["backend"], r["bytes"]): r for r in rows}
-    memcpy = {r["bytes"]: r for r in rows if r["op"] == "memcpy"}
     lines = ["| op | ranks | size | gloo p50 | gloo p90 | shm p50 | shm p90 | speed-up (p50) | gloo busbw | shm busbw "
-             "| memcpy |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| memcpy | memcpy, every rank at once |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for op in OPS:
         for world in sorted({r["world"] for r in rows if r["op"] == op}):
             for size in sorted({r["bytes"] for r in rows if r["op"] == op}):
@@ -159,13 +178,14 @@ def table(rows: list[dict]) -> str:
                     f"| {gloo['p90_seconds'] * 1e6:.0f} µs "
                     f"| {shm['seconds'] * 1e6:.1f} µs | {shm['p90_seconds'] * 1e6:.1f} µs "
                     f"| {gloo['seconds'] / shm['seconds']:.1f}x | {gloo['busbw_gbps']:.2f} GB/s "
-                    f"| {shm['busbw_gbps']:.2f} GB/s | {memcpy[size]['busbw_gbps']:.2f} GB/s |")
+                    f"| {shm['busbw_gbps']:.2f} GB/s | {index[('memcpy', 1, 'memcpy', size)]['busbw_gbps']:.2f} GB/s "
+                    f"| {index[('memcpy', world, 'memcpy', size)]['busbw_gbps']:.2f} GB/s |")
     return "\n".join(lines)
 
 
 def targets(rows: list[dict]) -> list[dict]:
     """The shm all-reduce's targets per world size: what was measured, and whether it holds."""
-    memcpy = {r["bytes"]: r["busbw_gbps"] for r in rows if r["op"] == "memcpy"}
+    memcpy = {r["bytes"]: r["busbw_gbps"] for r in rows if (r["op"], r["world"]) == ("memcpy", 1)}
     checks = []
     for world in sorted({r["world"] for r in rows if r["op"] == "allreduce"}):
         shm = sorted((r for r in rows if (r["op"], r["world"], r["backend"]) == ("allreduce", world, "shm")),
@@ -213,7 +233,8 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 
     worlds = sorted({r["world"] for r in rows if r["op"] != "memcpy"})
     figure, axes = plt.subplots(2, len(OPS), figsize=(5 * len(OPS), 8), squeeze=False)
-    memcpy = sorted((r for r in rows if r["op"] == "memcpy"), key=lambda r: r["bytes"])
+    memcpy = {world: sorted((r for r in rows if (r["op"], r["world"]) == ("memcpy", world)), key=lambda r: r["bytes"])
+              for world in [1] + worlds}
     for column, op in enumerate(OPS):
         latency, bandwidth = axes[0][column], axes[1][column]
         for world in worlds:
@@ -227,8 +248,10 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                 latency.fill_between(sizes, [r["seconds"] * 1e6 for r in series],
                                      [r["p90_seconds"] * 1e6 for r in series], color=line.get_color(), alpha=0.15)
                 bandwidth.plot(sizes, [r["busbw_gbps"] for r in series], style, marker="o", label=label)
-        bandwidth.plot([r["bytes"] for r in memcpy], [r["busbw_gbps"] for r in memcpy], ":", color="black",
-                       label="memcpy (1 core)")
+        for world, series in memcpy.items():
+            bandwidth.plot([r["bytes"] for r in series], [r["busbw_gbps"] for r in series], ":",
+                           color="black" if world == 1 else None,
+                           label="memcpy (1 core)" if world == 1 else f"memcpy, each of {world} ranks at once")
         latency.set(title=f"{op}: latency", xscale="log", yscale="log", ylabel="µs per op", xlabel="bytes")
         bandwidth.set(title=f"{op}: bus bandwidth", xscale="log", ylabel="GB/s", xlabel="bytes")
         latency.legend(fontsize=8)
@@ -244,6 +267,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    pin_ranks_unless_told()
     sizes = sizes_up_to(args.max_bytes)
     rows = memcpy_rows(sizes)
     context = multiprocessing.get_context("spawn")

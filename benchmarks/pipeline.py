@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import targets
-from bench_ranks import run_world
+from bench_ranks import pin_ranks_unless_told, run_world
 
 logger = logging.getLogger("torchpar.bench")
 VIRTUAL_STAGES = {"interleaved": 2}
@@ -451,10 +451,10 @@ def rank_main(rank: int, world: int, port: int, options: dict, results) -> None:
     from torchpar.pipeline import simulate
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
     torchpar.init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
+    torch.set_num_threads(1)  # after init_process_group: a pinned rank's share may hold more cores
     control = dist.new_group(backend="gloo")
     groups = {impl: dist.new_group(backend="gloo") for impl in IMPLS}  # no tag can cross between the two
     bubbles = world <= (os.cpu_count() or 1)  # a core per rank, or idle time is waiting for a core
@@ -748,6 +748,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    pin_ranks_unless_told()
     options = dict(schedules=args.schedules, microbatches=args.microbatches or ([8] if args.quick else [4, 8]),
                    rounds=args.rounds or (3 if args.quick else 10), seconds=args.seconds or (0.1 if args.quick else 0.25),
                    cost_repeats=5 if args.quick else 15)

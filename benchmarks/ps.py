@@ -74,7 +74,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 import targets
-from bench_ranks import free_port, run_world
+from bench_ranks import free_port, pin_ranks_unless_told, run_world
 
 logger = logging.getLogger("torchpar.bench")
 WORKERS, SERVERS = 2, 1
@@ -416,12 +416,12 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
     import torchpar.ps as ps
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     # rpc.init_rpc's own device-map exchange runs all_gather_object on a bare ProcessGroupGloo.
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
     timeout = datetime.timedelta(minutes=5)
     torchpar.init_process_group(backend="gloo", timeout=timeout)
+    torch.set_num_threads(1)  # after init_process_group: a pinned rank's share may hold more cores
     workers = list(range(WORKERS))
     control = dist.new_group(workers, backend="gloo")  # timing barriers and maxima, workers only
     ddp_group = dist.new_group(workers, backend="gloo")
@@ -572,6 +572,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    pin_ranks_unless_told()
     if "training" in args.parts and not DATA.is_file():
         parser.error(f"{DATA} not found; write it with `python3 scripts/export_digits.py`")
     config = dict(parts=args.parts, configs=args.configs, rounds=args.rounds or (2 if args.quick else 7),

@@ -8,7 +8,7 @@ import torch.distributed  # registers c10d's Python types (Store, ProcessGroup) 
 from . import _C, checkpoint, ddp, pipeline, ps, tensor_parallel
 from .allocator import keep_freed_memory
 from .backends import register_backends
-from .comm import LaunchError, init_process_group, read_launch_config
+from .comm import LaunchError, bind_cores, init_process_group, read_launch_config
 from .ddp import DistributedDataParallel
 from .tensor_parallel import ParallelGrid
 
@@ -16,5 +16,5 @@ register_backends()
 
 __version__ = "0.1.0"
 
-__all__ = ["DistributedDataParallel", "LaunchError", "ParallelGrid", "init_process_group", "keep_freed_memory",
+__all__ = ["DistributedDataParallel", "LaunchError", "ParallelGrid", "bind_cores", "init_process_group", "keep_freed_memory",
            "read_launch_config", "__version__"]

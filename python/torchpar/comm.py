@@ -18,6 +18,29 @@ def read_launch_config(rank: int | None = None, world_size: int | None = None, h
     return _C.read_launch_config(dict(os.environ), rank, world_size, has_store)
 
 
+def bind_cores(local_rank: int | None = None, local_world_size: int | None = None):
+    """Pin this process (every thread, and those it starts later) to its local rank's share of the host's cores,
+    and set torch's intra-op threads to one per physical core of the share; returns the share (``cpus``,
+    ``threads``).
+
+    With at least as many physical cores as local ranks each rank gets a block of whole cores; with fewer, rank r
+    shares core r mod cores. ``local_rank`` and ``local_world_size`` default to torchrun's LOCAL_RANK and
+    LOCAL_WORLD_SIZE. ``TORCHPAR_BIND_CORES=1`` makes :func:`init_process_group` call it first.
+    """
+    values = {}
+    for name, value in (("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world_size)):
+        if value is None:
+            if name not in os.environ:
+                raise LaunchError(f"torchpar.bind_cores: environment variable {name} is not set (launch with "
+                                  "torchrun, or pass local_rank and local_world_size)")
+            try:
+                value = int(os.environ[name])
+            except ValueError:
+                raise LaunchError(f"torchpar.bind_cores: {name}='{os.environ[name]}' is not an integer") from None
+        values[name] = value
+    return _C.bind_cores(values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
+
+
 def init_process_group(
     backend: str | None = None,
     timeout: datetime.timedelta | None = None,
@@ -30,7 +53,7 @@ def init_process_group(
     Same arguments and rules as C++ ``torchpar::init_process_group``: ``backend`` is "gloo",
     "nccl" or "cpu:gloo,cuda:nccl" (default ``TORCHPAR_BACKEND``, else "gloo"); ``timeout``
     defaults to ``TORCHPAR_TIMEOUT`` seconds, else 30 minutes; ``rank``/``world_size``/``store``
-    serve programs not launched by torchrun. A wrong launch raises :class:`LaunchError` with a
+    serve programs not launched by torchrun. ``TORCHPAR_BIND_CORES=1`` pins the rank first (:func:`bind_cores`). A wrong launch raises :class:`LaunchError` with a
     one-line message; every rank returns only once all ranks have joined.
     """
     if dist.is_initialized():
@@ -42,6 +65,8 @@ def init_process_group(
     timeout = _C.resolve_timeout(timeout)
     backend = backend or os.environ.get("TORCHPAR_BACKEND", "gloo")
     _C.check_backend(backend, config.rank, config.local_rank)
+    if config.bind_cores:
+        bind_cores(config.local_rank, config.local_world_size)
     if store is None:
         store = _C.connect_store(config, timeout)
     group_store = dist.PrefixStore("torchpar_default/", store)

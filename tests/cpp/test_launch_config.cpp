@@ -57,6 +57,17 @@ TEST_CASE("without LOCAL_* variables a single host is assumed, and no agent stor
   CHECK_FALSE(config.use_agent_store);
 }
 
+TEST_CASE("TORCHPAR_BIND_CORES is 1 or 0, off when unset", "[launch]") {
+  CHECK_FALSE(read_launch_config(env_of(torchrun_env())).bind_cores);
+  auto values = torchrun_env();
+  values["TORCHPAR_BIND_CORES"] = "1";
+  CHECK(read_launch_config(env_of(values)).bind_cores);
+  values["TORCHPAR_BIND_CORES"] = "0";
+  CHECK_FALSE(read_launch_config(env_of(values)).bind_cores);
+  values["TORCHPAR_BIND_CORES"] = "yes";
+  CHECK_THAT(launch_error_of(values), Contains("TORCHPAR_BIND_CORES='yes' must be 1"));
+}
+
 TEST_CASE("every missing variable is named in one message with what to do", "[launch]") {
   const auto message = launch_error_of({});
   CHECK_THAT(message, Contains("environment variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set"));

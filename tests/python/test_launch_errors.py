@@ -8,7 +8,7 @@ import torchpar
 
 TORCHRUN_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHPAR_TIMEOUT",
-                      "TORCHPAR_BACKEND"]
+                      "TORCHPAR_BACKEND", "TORCHPAR_BIND_CORES"]
 
 
 @pytest.fixture(autouse=True)
@@ -85,3 +85,14 @@ def torchpar_store():
 def test_nccl_without_gpu_says_so():
     with pytest.raises(RuntimeError, match="backend 'nccl'.*use backend 'gloo'"):
         torchpar.init_process_group(backend="nccl", rank=0, world_size=1, store=torchpar_store())
+
+
+def test_binding_cores_outside_torchrun_names_what_is_missing(monkeypatch):
+    with pytest.raises(torchpar.LaunchError, match="LOCAL_RANK is not set .*pass local_rank and local_world_size"):
+        torchpar.bind_cores()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(torchpar.LaunchError, match="LOCAL_WORLD_SIZE='two' is not an integer"):
+        torchpar.bind_cores()
+    with pytest.raises(RuntimeError, match="local rank 3 is out of range for 2 local ranks"):
+        torchpar.bind_cores(3, 2)

@@ -1,4 +1,5 @@
 """The examples launched as users launch them: real torchrun subprocesses, C++ binary and script."""
+import json
 import os
 import pathlib
 import re
@@ -89,6 +90,8 @@ def run_directly(command, **env):
         ({}, "environment variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set"),
         (dict(RANK="0", WORLD_SIZE="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"), "WORLD_SIZE=0 must be at least 1"),
         (dict(RANK="3", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"), "RANK=3 is out of range"),
+        (dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", TORCHPAR_BIND_CORES="yes"),
+         "TORCHPAR_BIND_CORES='yes' must be 1"),
     ],
 )
 def test_wrong_launch_gives_one_line(cpp_demo, program, env, message):
@@ -122,3 +125,62 @@ def test_missing_rank_is_reported_not_waited_for(cpp_demo, free_port, program):
     for rank, (_, stderr) in zip(ranks, outputs):
         assert rank.returncode == 2, stderr
         assert "only 2 of 3 ranks" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+
+
+BOUND_REPORT = """
+import json, os, pathlib, sys, torch, torch.distributed as dist, torchpar
+torchpar.init_process_group()
+if os.environ.get("BIND_AFTER_INIT"):  # Gloo's and the store's threads run already
+    torchpar.bind_cores()
+threads = {task.name: next(line.split()[1] for line in (task / "status").read_text().splitlines()
+                           if line.startswith("Cpus_allowed_list"))
+           for task in pathlib.Path("/proc/self/task").iterdir()}
+cores = {pathlib.Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id").read_text().strip()
+         for cpu in os.sched_getaffinity(0)}
+tensor = torch.ones(4)
+dist.all_reduce(tensor)
+# One write per line: the ranks share the pipe.
+sys.stdout.write(json.dumps(dict(rank=dist.get_rank(), cpus=sorted(os.sched_getaffinity(0)), threads=threads,
+                                 physical_cores=len(cores), intra_op=torch.get_num_threads(), sum=tensor.tolist())) + "\\n")
+sys.stdout.flush()
+dist.destroy_process_group()
+"""
+
+
+def cpu_list(text: str) -> set[int]:
+    """/proc's Cpus_allowed_list ("0-2,5") as a set."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+@pytest.mark.parametrize("how", [dict(TORCHPAR_BIND_CORES="1"), dict(BIND_AFTER_INIT="1")], ids=["at-init", "after-init"])
+def test_bound_ranks_run_on_their_own_cores_with_every_thread(free_port, tmp_path, how):
+    """TORCHPAR_BIND_CORES=1, or torchpar.bind_cores() once the group runs: each local rank, every one of its threads
+    (Gloo's and the store's included), on its share of this host's CPUs, one intra-op thread per physical core."""
+    script = tmp_path / "bound.py"
+    script.write_text(BOUND_REPORT)
+    result = torchrun("--nproc-per-node=2", f"--master-port={free_port}", script, **how)
+    assert result.returncode == 0, result.stderr
+    reports = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
+                     key=lambda report: report["rank"])
+    assert [report["rank"] for report in reports] == [0, 1], result.stdout
+    available = os.sched_getaffinity(0)
+    for report in reports:
+        assert report["sum"] == [2.0] * 4
+        assert report["cpus"] and set(report["cpus"]) <= available
+        assert report["intra_op"] == report["physical_cores"]
+        for thread, allowed in report["threads"].items():
+            assert cpu_list(allowed) == set(report["cpus"]), (thread, allowed, report["cpus"])
+    if len(available) >= 2:
+        assert not set(reports[0]["cpus"]) & set(reports[1]["cpus"])
+
+
+def test_cpp_binary_binds_its_ranks_too(cpp_demo, free_port):
+    result = torchrun("--nproc-per-node=2", f"--master-port={free_port}", "--no-python", cpp_demo,
+                      TORCHPAR_BIND_CORES="1", TORCH_CPP_LOG_LEVEL="INFO")
+    assert result.returncode == 0, result.stderr
+    check_results(result.stdout, 2)
+    assert "local rank 0 of 2 bound to CPUs" in result.stderr and "local rank 1 of 2 bound to CPUs" in result.stderr

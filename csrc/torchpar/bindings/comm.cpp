@@ -5,6 +5,7 @@
 
 #include <torchpar/bindings/bindings.h>
 #include <torchpar/comm/backend_factory.h>
+#include <torchpar/comm/core_binding.h>
 #include <torchpar/comm/launch_config.h>
 #include <torchpar/comm/named_process_group.h>
 #include <torchpar/comm/process_group.h>
@@ -27,7 +28,14 @@ void bind_comm(py::module_& module) {
       .def_readonly("master_addr", &LaunchConfig::master_addr)
       .def_readonly("master_port", &LaunchConfig::master_port)
       .def_readonly("restart_count", &LaunchConfig::restart_count)
-      .def_readonly("use_agent_store", &LaunchConfig::use_agent_store);
+      .def_readonly("use_agent_store", &LaunchConfig::use_agent_store)
+      .def_readonly("bind_cores", &LaunchConfig::bind_cores);
+
+  py::class_<CoreShare>(module, "CoreShare")
+      .def_readonly("cpus", &CoreShare::cpus)
+      .def_readonly("threads", &CoreShare::threads);
+  module.def("bind_cores", &bind_cores, py::arg("local_rank"), py::arg("local_world_size"),
+             "Pins every thread of this process to the local rank's share of the host's cores.");
 
   module.def(
       "read_launch_config",

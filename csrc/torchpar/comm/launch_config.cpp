@@ -117,6 +117,12 @@ LaunchConfig read_launch_config(const EnvLookup& env, const LaunchOverrides& ove
   }
   // torch.distributed uses the agent's store only when the agent promised one (it exports this).
   config.use_agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
+  if (auto bind = env("TORCHPAR_BIND_CORES")) {
+    if (*bind != "0" && *bind != "1") {
+      fail("TORCHPAR_BIND_CORES='" + *bind + "' must be 1 (pin each local rank to its share of the cores) or 0");
+    }
+    config.bind_cores = *bind == "1";
+  }
   return config;
 }
 

@@ -15,6 +15,7 @@ struct LaunchConfig {
   int master_port = 0;
   int restart_count = 0; // TORCHELASTIC_RESTART_COUNT: how often torchrun restarted the job
   bool use_agent_store = false; // TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent hosts the store
+  bool bind_cores = false; // TORCHPAR_BIND_CORES=1: pin this rank to its share of the host's cores
 };
 
 // Values the program passes explicitly; they win over the environment.

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <torchpar/comm/backend_factory.h>
+#include <torchpar/comm/core_binding.h>
 #include <torchpar/comm/launch_config.h>
 #include <torchpar/comm/named_process_group.h>
 #include <torchpar/comm/store.h>
@@ -82,6 +83,9 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& options) {
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options) {
+  // TORCH_CPP_LOG_LEVEL, as torch's Python module applies it at import: without this a C++ program
+  // shows no INFO line (torchpar's or c10d's) whatever it asks for.
+  c10::initLogging();
   const auto env = process_environment();
   LaunchOverrides overrides{options.rank(), options.world_size(), options.store().defined()};
   const LaunchConfig config = read_launch_config(env, overrides);
@@ -90,6 +94,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
       !options.backend().empty() ? options.backend() : env("TORCHPAR_BACKEND").value_or("gloo");
   const auto choices = parse_backend_spec(spec);
   check_backends_usable(choices, config.rank, config.local_rank);
+  if (config.bind_cores) {
+    bind_cores(config.local_rank, config.local_world_size);
+  }
 
   auto store = options.store().defined() ? options.store() : connect_store(config, timeout);
   const std::string group = next_group_name();

@@ -33,6 +33,7 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& options);
 // A process group over every rank of the job, created from what torchrun put in the environment
 // (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 // TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE). Returns once every rank has joined.
+// TORCHPAR_BIND_CORES=1 first pins the process to its local rank's share of the cores (bind_cores).
 // A wrong launch throws LaunchError with a one-line message; collectives then go through the
 // returned group (c10d::ProcessGroup's API: allreduce, broadcast, send/recv ...).
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options = {});
