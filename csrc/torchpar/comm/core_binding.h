@@ -1,8 +1,10 @@
 // Each local rank of a host pinned to its own share of the host's cores, as DeepSpeed's
 // --bind_cores_to_rank and torch's xeon launcher do for CPU training. Measured on 2 cores: unpinned,
 // the shm all-reduce's p90 stayed within 1.5x its median at 7-8 of 15 sizes and 4-64 KiB took 12-24 us;
-// pinned, 13-15 of 15 and 11-16 us. With more local ranks than cores (4 on 2) the ranks share cores
-// round robin, which still halved the 4-rank all-reduce's small-message latency.
+// pinned, 13-15 of 15 and 11-16 us. With more local ranks than physical cores nothing is pinned: two
+// ranks to a core halved the 4-rank all-reduce's small-message latency, but a parameter server whose
+// server shared a worker's core (unequal loads) answered sparse pulls up to 1.5x slower than placed by
+// the scheduler.
 #pragma once
 #include <vector>
 
@@ -20,11 +22,12 @@ struct LogicalCpu {
 struct CoreShare {
   std::vector<int> cpus;
   int threads = 1;
+  bool pinned = true;  // false: more local ranks than physical cores, every CPU left to the scheduler
 };
 
 // Pure: the share of `available` for `local_rank` of `local_world_size`. With at least as many
 // physical cores as local ranks, each rank gets a contiguous block of whole physical cores (the
-// blocks cover them all); with fewer, rank r shares physical core r mod cores with the others.
+// blocks cover them all); with fewer, every CPU, not pinned.
 CoreShare core_share(std::vector<LogicalCpu> available, int local_rank, int local_world_size);
 
 // The logical CPUs this process may run on (its affinity when first asked, so that a second call
@@ -32,7 +35,8 @@ CoreShare core_share(std::vector<LogicalCpu> available, int local_rank, int loca
 std::vector<LogicalCpu> available_cpus();
 
 // Pins every thread of this process, and those it starts later, to this rank's share of
-// available_cpus() and sets ATen's intra-op threads to the share's threads. Returns the share.
+// available_cpus() and sets ATen's intra-op threads to the share's threads; with more local ranks than
+// physical cores, changes nothing and warns. Returns the share.
 CoreShare bind_cores(int local_rank, int local_world_size);
 
 } // namespace torchpar::comm
