@@ -11,15 +11,14 @@ import torch
 import torch.distributed as dist
 
 
-def pin_ranks_unless_told() -> None:
-    """Every benchmark's ranks run pinned to their share of the cores (torchpar.bind_cores, which
-    torchpar.init_process_group applies under TORCHPAR_BIND_CORES=1), the anchor's and torchpar's alike in the
-    same processes: unpinned, the scheduler moving ranks between cores showed here as latency tails and steps
-    for Gloo and shm both. TORCHPAR_BIND_CORES=0 measures them unpinned."""
-    os.environ.setdefault("TORCHPAR_BIND_CORES", "1")
+def say_whether_pinned() -> None:
+    """Ranks run where the scheduler puts them, as torchrun leaves them, unless TORCHPAR_BIND_CORES=1 pins each to
+    its share of the cores (torchpar.init_process_group; the anchor's and torchpar's alike, in the same processes).
+    Pinned, 2 ranks on 2 cores measured the shm all-reduce's tail shorter and DDP's overhead lower for torch and
+    torchpar alike, but torchpar's pipeline slower (docs/launching.md)."""
     logging.getLogger("torchpar.bench").info(
-        "ranks pinned to their share of the cores (TORCHPAR_BIND_CORES=1; =0 runs them unpinned)"
-        if os.environ["TORCHPAR_BIND_CORES"] == "1" else "ranks not pinned (TORCHPAR_BIND_CORES=0)")
+        "ranks pinned to their share of the cores (TORCHPAR_BIND_CORES=1)"
+        if os.environ.get("TORCHPAR_BIND_CORES") == "1" else "ranks placed by the scheduler (TORCHPAR_BIND_CORES=1 pins them)")
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench_ranks import free_port, pin_ranks_unless_told
+from bench_ranks import free_port, say_whether_pinned
 from torchpar.plan.cli import parse_bytes  # "64MiB", "4 KiB", "1000000"
 
 logger = logging.getLogger("torchpar.bench")
@@ -267,7 +267,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    pin_ranks_unless_told()
+    say_whether_pinned()
     sizes = sizes_up_to(args.max_bytes)
     rows = memcpy_rows(sizes)
     context = multiprocessing.get_context("spawn")

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 import targets
-from bench_ranks import join_world, pin_ranks_unless_told, run_world
+from bench_ranks import join_world, run_world, say_whether_pinned
 
 logger = logging.getLogger("torchpar.bench")
 BACKENDS = ("gloo", "shm")
@@ -290,7 +290,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    pin_ranks_unless_told()
+    say_whether_pinned()
     config = dict(models=args.models, backends=args.backends, bucket_cap_mb=args.bucket_cap_mb,
                   rounds=args.rounds or (3 if args.quick else 10),
                   seconds=args.seconds or (0.15 if args.quick else 0.5))

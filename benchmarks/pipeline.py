@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import targets
-from bench_ranks import pin_ranks_unless_told, run_world
+from bench_ranks import run_world, say_whether_pinned
 
 logger = logging.getLogger("torchpar.bench")
 VIRTUAL_STAGES = {"interleaved": 2}
@@ -748,7 +748,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    pin_ranks_unless_told()
+    say_whether_pinned()
     options = dict(schedules=args.schedules, microbatches=args.microbatches or ([8] if args.quick else [4, 8]),
                    rounds=args.rounds or (3 if args.quick else 10), seconds=args.seconds or (0.1 if args.quick else 0.25),
                    cost_repeats=5 if args.quick else 15)

@@ -74,7 +74,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 import targets
-from bench_ranks import free_port, pin_ranks_unless_told, run_world
+from bench_ranks import free_port, run_world, say_whether_pinned
 
 logger = logging.getLogger("torchpar.bench")
 WORKERS, SERVERS = 2, 1
@@ -572,7 +572,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    pin_ranks_unless_told()
+    say_whether_pinned()
     if "training" in args.parts and not DATA.is_file():
         parser.error(f"{DATA} not found; write it with `python3 scripts/export_digits.py`")
     config = dict(parts=args.parts, configs=args.configs, rounds=args.rounds or (2 if args.quick else 7),

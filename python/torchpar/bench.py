@@ -211,8 +211,8 @@ def main(argv=None) -> int:
              f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; torch {info['torch']}, "
              f"Python {info['python']}. Every benchmark runs its anchor in the same processes; ratios are medians "
              f"of per-round ratios. Ranks "
-             f"{'pinned to their share of the cores' if os.environ.get('TORCHPAR_BIND_CORES', '1') == '1' else 'unpinned'}"
-             f" (TORCHPAR_BIND_CORES; the tensor-parallel benchmark's always unpinned).", ""]
+             f"{'pinned to their share of the cores' if os.environ.get('TORCHPAR_BIND_CORES') == '1' else 'placed by the scheduler'}"
+             f" (TORCHPAR_BIND_CORES; the tensor-parallel benchmark's never pinned).", ""]
     if previous is None:
         lines += ["No previous report in this folder to compare with.", ""]
     elif previous.get("quick") != args.quick:
