@@ -23,9 +23,10 @@ def bind_cores(local_rank: int | None = None, local_world_size: int | None = Non
     and set torch's intra-op threads to one per physical core of the share; returns the share (``cpus``,
     ``threads``, ``pinned``).
 
-    With at least as many physical cores as local ranks each rank gets a block of whole cores; with fewer, nothing is
-    pinned (``pinned`` is False, and a warning says why). ``local_rank`` and ``local_world_size`` default to torchrun's LOCAL_RANK and
-    LOCAL_WORLD_SIZE. ``TORCHPAR_BIND_CORES=1`` makes :func:`init_process_group` call it first.
+    With at least as many physical cores as local ranks each rank gets a block of whole cores; with fewer, nothing
+    is pinned (``pinned`` is False, and a warning says why). ``local_rank`` and ``local_world_size`` default to
+    torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE. ``TORCHPAR_BIND_CORES=1`` makes :func:`init_process_group` call it
+    first.
     """
     values = {}
     for name, value in (("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world_size)):

@@ -86,8 +86,8 @@ CoreShare bind_cores(int local_rank, int local_world_size) {
   cpu_set_t mask;
   CPU_ZERO(&mask);
   for (int cpu : share.cpus) CPU_SET(cpu, &mask);
-  // sched_setaffinity binds one thread; threads started later inherit their creator's mask, so every
-  // thread running now (the store's, Gloo's, ATen's pools) is bound too.
+  // sched_setaffinity binds one thread, and a thread inherits its creator's mask only as it starts: the
+  // threads running already (the store's, Gloo's, ATen's pools) are bound one by one.
   TORCH_CHECK(sched_setaffinity(0, sizeof(mask), &mask) == 0, "torchpar.bind_cores: sched_setaffinity to CPUs ",
               describe(share.cpus), ": ", std::strerror(errno));
   if (DIR* tasks = opendir("/proc/self/task")) {
