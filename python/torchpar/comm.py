@@ -28,18 +28,7 @@ def bind_cores(local_rank: int | None = None, local_world_size: int | None = Non
     torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE. ``TORCHPAR_BIND_CORES=1`` makes :func:`init_process_group` call it
     first.
     """
-    values = {}
-    for name, value in (("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world_size)):
-        if value is None:
-            if name not in os.environ:
-                raise LaunchError(f"torchpar.bind_cores: environment variable {name} is not set (launch with "
-                                  "torchrun, or pass local_rank and local_world_size)")
-            try:
-                value = int(os.environ[name])
-            except ValueError:
-                raise LaunchError(f"torchpar.bind_cores: {name}='{os.environ[name]}' is not an integer") from None
-        values[name] = value
-    return _C.bind_cores(values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
+    return _C.bind_cores(local_rank, local_world_size)
 
 
 def init_process_group(
@@ -54,7 +43,8 @@ def init_process_group(
     Same arguments and rules as C++ ``torchpar::init_process_group``: ``backend`` is "gloo",
     "nccl" or "cpu:gloo,cuda:nccl" (default ``TORCHPAR_BACKEND``, else "gloo"); ``timeout``
     defaults to ``TORCHPAR_TIMEOUT`` seconds, else 30 minutes; ``rank``/``world_size``/``store``
-    serve programs not launched by torchrun. ``TORCHPAR_BIND_CORES=1`` pins the rank first (:func:`bind_cores`). A wrong launch raises :class:`LaunchError` with a
+    serve programs not launched by torchrun. ``TORCHPAR_BIND_CORES=1`` pins the rank first
+    (:func:`bind_cores`). A wrong launch raises :class:`LaunchError` with a
     one-line message; every rank returns only once all ranks have joined.
     """
     if dist.is_initialized():

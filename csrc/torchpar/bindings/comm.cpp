@@ -35,7 +35,7 @@ void bind_comm(py::module_& module) {
       .def_readonly("cpus", &CoreShare::cpus)
       .def_readonly("threads", &CoreShare::threads)
       .def_readonly("pinned", &CoreShare::pinned);
-  module.def("bind_cores", &bind_cores, py::arg("local_rank"), py::arg("local_world_size"),
+  module.def("bind_cores", &bind_cores, py::arg("local_rank") = py::none(), py::arg("local_world_size") = py::none(),
              "Pins every thread of this process to the local rank's share of the host's cores.");
 
   module.def(

@@ -1,5 +1,8 @@
 #include <torchpar/comm/core_binding.h>
 
+#include <torchpar/comm/launch_config.h>
+#include <torchpar/comm/launch_error.h>
+
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
@@ -23,6 +26,17 @@ int read_topology(int cpu, const char* field, int fallback) {
   std::ifstream file("/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/" + field);
   int value = fallback;
   return file >> value ? value : fallback;
+}
+
+constexpr const char* kBindCores = "torchpar.bind_cores";
+
+// `given`, else the environment's `name` (read by `read`), else a LaunchError naming it.
+int given_or_launched(std::optional<int> given, const char* name,
+                      std::optional<int> (*read)(const EnvLookup&, const std::string&)) {
+  if (given) return *given;
+  if (auto value = read(process_environment(), kBindCores)) return *value;
+  throw LaunchError(std::string(kBindCores) + ": environment variable " + name +
+                    " is not set (launch with torchrun, or pass local_rank and local_world_size)");
 }
 
 std::string describe(const std::vector<int>& cpus) {
@@ -76,7 +90,9 @@ std::vector<LogicalCpu> available_cpus() {
   return first_seen;
 }
 
-CoreShare bind_cores(int local_rank, int local_world_size) {
+CoreShare bind_cores(std::optional<int> given_rank, std::optional<int> given_world_size) {
+  const int local_rank = given_or_launched(given_rank, "LOCAL_RANK", read_local_rank);
+  const int local_world_size = given_or_launched(given_world_size, "LOCAL_WORLD_SIZE", read_local_world_size);
   const auto share = core_share(available_cpus(), local_rank, local_world_size);
   if (!share.pinned) {
     LOG(WARNING) << "torchpar.bind_cores: " << local_world_size << " local ranks on fewer physical cores: left "

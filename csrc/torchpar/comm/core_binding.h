@@ -6,6 +6,7 @@
 // server shared a worker's core (unequal loads) answered sparse pulls up to 1.5x slower than placed by
 // the scheduler.
 #pragma once
+#include <optional>
 #include <vector>
 
 namespace torchpar::comm {
@@ -36,8 +37,9 @@ std::vector<LogicalCpu> available_cpus();
 
 // Pins every thread of this process, and those it starts later, to this rank's share of
 // available_cpus() and sets ATen's intra-op threads to the share's threads; with more local ranks than
-// physical cores, changes nothing and warns. Returns the share.
-CoreShare bind_cores(int local_rank, int local_world_size);
+// physical cores, changes nothing and warns. Returns the share. Unset, `local_rank` and
+// `local_world_size` come from torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE (LaunchError when missing).
+CoreShare bind_cores(std::optional<int> local_rank = std::nullopt, std::optional<int> local_world_size = std::nullopt);
 
 } // namespace torchpar::comm
 

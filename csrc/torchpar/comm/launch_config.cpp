@@ -52,6 +52,13 @@ std::optional<int> read_local_rank(const EnvLookup& env, const std::string& call
   return std::nullopt;
 }
 
+std::optional<int> read_local_world_size(const EnvLookup& env, const std::string& caller) {
+  if (auto text = env("LOCAL_WORLD_SIZE")) {
+    return parse_int("LOCAL_WORLD_SIZE", *text, caller);
+  }
+  return std::nullopt;
+}
+
 LaunchConfig read_launch_config(const EnvLookup& env, const LaunchOverrides& overrides) {
   std::vector<std::string> required;
   if (!overrides.rank) {
@@ -92,10 +99,8 @@ LaunchConfig read_launch_config(const EnvLookup& env, const LaunchOverrides& ove
          std::to_string(config.world_size - 1) + ")");
   }
 
-  auto local_world_size = env("LOCAL_WORLD_SIZE");
   config.local_rank = read_local_rank(env, kInitProcessGroup).value_or(config.rank);
-  config.local_world_size = local_world_size ? parse_int("LOCAL_WORLD_SIZE", *local_world_size)
-                                             : config.world_size;
+  config.local_world_size = read_local_world_size(env, kInitProcessGroup).value_or(config.world_size);
   if (config.local_world_size < 1 || config.local_rank < 0 ||
       config.local_rank >= config.local_world_size) {
     fail("LOCAL_RANK=" + std::to_string(config.local_rank) + " is out of range for LOCAL_WORLD_SIZE=" +

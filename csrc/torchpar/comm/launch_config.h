@@ -33,6 +33,8 @@ EnvLookup process_environment();
 // LOCAL_RANK, unset: nullopt. When it is not an integer, throws LaunchError from `caller` (e.g.
 // "torchpar.new_group") naming the variable and its value.
 std::optional<int> read_local_rank(const EnvLookup& env, const std::string& caller);
+// LOCAL_WORLD_SIZE, likewise.
+std::optional<int> read_local_world_size(const EnvLookup& env, const std::string& caller);
 
 // Validates the launch and throws LaunchError naming the first thing wrong (all missing variables
 // at once) and how to launch correctly.
