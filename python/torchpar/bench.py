@@ -207,12 +207,13 @@ def main(argv=None) -> int:
                              failed=result.returncode != 0))
     info = machine()
     quick = " (--quick)" if args.quick else ""
+    placement = ("pinned to their share of the cores" if os.environ.get("TORCHPAR_BIND_CORES") == "1"
+                 else "placed by the scheduler")
     lines = [f"# torchpar benchmarks, {datetime.datetime.now():%Y-%m-%d %H:%M}{quick}", "",
              f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; torch {info['torch']}, "
              f"Python {info['python']}. Every benchmark runs its anchor in the same processes; ratios are medians "
-             f"of per-round ratios. Ranks "
-             f"{'pinned to their share of the cores' if os.environ.get('TORCHPAR_BIND_CORES') == '1' else 'placed by the scheduler'}"
-             f" (TORCHPAR_BIND_CORES; the tensor-parallel benchmark's never pinned).", ""]
+             f"of per-round ratios. Ranks {placement} (TORCHPAR_BIND_CORES; the tensor-parallel benchmark's never "
+             f"pinned).", ""]
     if previous is None:
         lines += ["No previous report in this folder to compare with.", ""]
     elif previous.get("quick") != args.quick:

@@ -50,12 +50,12 @@ NetworkProfile under_load(const NetworkProfile& network, const Calibration& cali
   const double share = world > 1 ? std::clamp((busy - 1) / (world - 1), 0.0, 1.0) : 1.0;
   const double scale = 1 + (calibration.communication_scale - 1) * share;
   NetworkProfile loaded = network;
-  for (LinkCost* link : {&loaded.all_reduce, &loaded.send_recv, &loaded.all_gather, &loaded.reduce_scatter,
-                         loaded.stage_transfer ? &*loaded.stage_transfer : nullptr}) {
-    if (link == nullptr) continue;
-    link->alpha_ms *= scale;
-    link->ms_per_byte *= scale;
-  }
+  const auto slow = [scale](LinkCost& link) {
+    link.alpha_ms *= scale;
+    link.ms_per_byte *= scale;
+  };
+  for (LinkCost* link : {&loaded.all_reduce, &loaded.send_recv, &loaded.all_gather, &loaded.reduce_scatter}) slow(*link);
+  if (loaded.stage_transfer) slow(*loaded.stage_transfer);
   return loaded;
 }
 

@@ -25,7 +25,8 @@ LinkCost fit_link_cost(const std::vector<double>& bytes, const std::vector<doubl
 // Collective over `group` (every rank calls it): times all-reduces, all-gathers into and reduce-scatters
 // from float32 tensors of `sizes_bytes` (the slowest rank's mean of `repeats`), a ping-pong between
 // ranks 0 and 1 (half its round trip; 4 x `repeats` up to 64 KiB; also through the pipeline's same-host
-// rings when they connect), and a memory copy on every rank at once, and fits each. A collective the backend lacks costs as an all-reduce. A group of one rank costs
+// rings when they connect), and a memory copy on every rank at once, and fits each. A collective the
+// backend lacks costs as an all-reduce. A group of one rank costs
 // nothing.
 NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                const std::vector<int64_t>& sizes_bytes = {4 << 10, 64 << 10, 256 << 10, 4 << 20},

@@ -194,14 +194,14 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         result = planner.plan(model, model_profile, network, batch=args.batch, world=world,
                               memory_per_rank=args.memory_per_rank, optimizer_ms_per_byte=optimizer_ms_per_byte,
                               calibration=calibration)
+        described = lambda link: f"{link.alpha_ms:.3f} ms + {link.ms_per_byte * 2**20:.3f} ms/MiB"
         logger.info("all-reduce %s, all-gather %s, reduce-scatter %s, transfer %s (%s, %d ranks), between "
                     "stages %s, copy %.3f ms/MiB; %s",
-                    *(f"{link.alpha_ms:.3f} ms + {link.ms_per_byte * 2**20:.3f} ms/MiB" for link in
-                      (network.all_reduce, network.all_gather, network.reduce_scatter, network.send_recv)),
+                    *map(described, (network.all_reduce, network.all_gather, network.reduce_scatter,
+                                     network.send_recv)),
                     args.backend, world,
                     "through the group" if network.stage_transfer is None else
-                    f"through same-host rings {network.stage_transfer.alpha_ms:.3f} ms + "
-                    f"{network.stage_transfer.ms_per_byte * 2**20:.3f} ms/MiB", network.copy.ms_per_byte * 2**20,
+                    "through same-host rings " + described(network.stage_transfer), network.copy.ms_per_byte * 2**20,
                     ("calibration from earlier --verify runs: " if learned else "default calibration: ") +
                     describe_calibration(calibration))
         print(planner.render_table(result), flush=True)
