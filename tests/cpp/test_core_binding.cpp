@@ -8,6 +8,7 @@
 #include <sched.h>
 
 #include <set>
+#include <utility>
 
 using torchpar::comm::core_share;
 using torchpar::comm::LogicalCpu;
@@ -62,8 +63,12 @@ TEST_CASE("bind_cores: this process ends up on its share, with that many intra-o
   REQUIRE(sched_getaffinity(0, sizeof(before), &before) == 0);
   const int threads_before = at::get_num_threads();
   const auto available = torchpar::comm::available_cpus();
-  const int last = static_cast<int>(available.size()) - 1;
+  // One local rank per physical core (not per logical CPU: SMT siblings would leave them all unpinned).
+  std::set<std::pair<int, int>> physical;
+  for (const auto& cpu : available) physical.insert({cpu.package, cpu.core});
+  const int last = static_cast<int>(physical.size()) - 1;
   const auto share = torchpar::bind_cores(last, last + 1);
+  REQUIRE(share.pinned);
   cpu_set_t after;
   REQUIRE(sched_getaffinity(0, sizeof(after), &after) == 0);
   std::vector<int> allowed;
