@@ -8,14 +8,21 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 status=0
+summary=()
 run() {
-  local start=$SECONDS
-  echo "=== $1 ==="
+  local start=$SECONDS name=$1
+  echo "=== $name ==="
   shift
-  "$@" || status=1
+  if "$@"; then
+    summary+=("passed: $name")
+  else
+    status=1
+    summary+=("FAILED: $name")
+  fi
   echo "--- $((SECONDS - start)) s"
 }
 run "PyTorch's distributed suite on gloo and shm (tests/peer)" python3 tests/peer/run.py
 run "chaos: ranks killed and frozen at random (tests/chaos)" python3 tests/chaos/run.py --trials "${CHAOS_TRIALS:-20}"
 run "soak: parameter server and shm under load (tests/soak)" python3 tests/soak/run.py --seconds "${SOAK_SECONDS:-60}"
+printf '%s\n' "${summary[@]}"
 exit $status
