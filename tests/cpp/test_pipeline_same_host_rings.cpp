@@ -61,6 +61,39 @@ TEST_CASE("pipeline rings: every message arrives whole, in any receive order, th
   });
 }
 
+TEST_CASE("pipeline rings: a ring emptied near its start takes a quarter of its bytes before the reader drains it") {
+  // GPipe's last stage sends a gradient after each backward while the previous stage computes: once the ring was
+  // emptied, every one of them must go in at once, not wait in the sender's queue until the sender next waits.
+  run_on_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    auto rings = pipeline::SameHostRings::connect(*pg, kRingBytes);
+    REQUIRE(rings);
+    constexpr int64_t kMessageBytes = 2048;
+    constexpr int kMessages = 6;  // with their records, more than a tenth of the ring and less than a quarter
+    if (rank == 0) {
+      rings->send(pattern(kMessageBytes, 0), 1, 0)->wait();
+      pg->barrier()->wait();  // rank 1 received it: the ring is empty, just past its first record
+      std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+      for (int i = 1; i <= kMessages; ++i) sends.push_back(rings->send(pattern(kMessageBytes, i), 1, i));
+      for (int i = 0; i < kMessages; ++i) {
+        INFO("send " << i + 1 << " of " << kMessages);
+        CHECK(sends[static_cast<size_t>(i)]->isCompleted());
+      }
+      pg->barrier()->wait();
+    } else {
+      auto first = at::zeros({kMessageBytes}, at::kByte);
+      rings->recv(first, 0, 0)->wait();
+      pg->barrier()->wait();
+      pg->barrier()->wait();  // every send was written before this rank drains
+      for (int i = 1; i <= kMessages; ++i) {
+        auto buffer = at::zeros({kMessageBytes}, at::kByte);
+        rings->recv(buffer, 0, i)->wait();
+        CHECK(buffer.equal(pattern(kMessageBytes, i)));
+      }
+    }
+    pg->barrier()->wait();
+  });
+}
+
 TEST_CASE("pipeline rings: a receive of another size fails naming both sizes, a dead sender long before the timeout") {
   run_on_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     auto rings = pipeline::SameHostRings::connect(*pg, kRingBytes);

@@ -201,9 +201,11 @@ bool SameHostRings::try_write(Outgoing& out, RingWork& send) {
     const uint64_t tail = header.tail.load(std::memory_order_acquire);
     uint64_t start = out.written;
     const uint64_t at = start % capacity;
-    if (tail == start && at >= needed) {
-      // The ring is empty: back to its start, so that the pages in use are those of the largest messages in
-      // flight, not the whole ring (the record ends before the wrap record written at `at`).
+    if (tail == start && at >= capacity / 4) {
+      // The ring is empty: back to its start, so that the pages in use stay near its first half, not the whole
+      // ring. Until the reader passes the wrap record left at `at`, only the `at` bytes before it are free: from
+      // less than a quarter in, a restart left room for one message or two, and a stage's later sends queued
+      // until it next waited (GPipe, m = 8: a gradient held back 7 ms).
       start = round_up(start, capacity);
     } else {
       if (at + needed > capacity) start = round_up(start, capacity);  // a record never wraps
