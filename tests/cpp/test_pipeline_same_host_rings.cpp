@@ -68,7 +68,7 @@ TEST_CASE("pipeline rings: a ring emptied near its start takes a quarter of its 
     auto rings = pipeline::SameHostRings::connect(*pg, kRingBytes);
     REQUIRE(rings);
     constexpr int64_t kMessageBytes = 2048;
-    constexpr int kMessages = 6;  // with their records, more than a tenth of the ring and less than a quarter
+    constexpr int kMessages = 6;  // with their records, under a quarter of the ring
     if (rank == 0) {
       rings->send(pattern(kMessageBytes, 0), 1, 0)->wait();
       pg->barrier()->wait();  // rank 1 received it: the ring is empty, just past its first record
