@@ -24,7 +24,7 @@ import statistics
 import torch.distributed as dist
 
 from bench_ranks import join_world, run_world, say_whether_pinned
-from pipeline import Config, WARMUP_STEPS, measure_transfer
+from pipeline import IMPLS, Config, WARMUP_STEPS, measure_transfer
 
 logger = logging.getLogger("torchpar.bench")
 WORLD = 2
@@ -66,7 +66,7 @@ def replay(timelines: list[list[tuple]], transfer_ms: float) -> float:
 
 def rank_main(rank: int, world: int, port: int, options: dict, results) -> None:
     control, _ = join_world(rank, world, port)
-    groups = {impl: dist.new_group(backend="gloo") for impl in ("torch", "torchpar")}
+    groups = {impl: dist.new_group(backend="gloo") for impl in IMPLS}  # Config builds both engines
     rows = []
     for schedule in options["schedules"]:
         for m in options["microbatches"]:
