@@ -16,10 +16,12 @@ random target. For every (schedule, micro-batches) every rank builds, from the s
                per rank: with one local stage its action order is ZB-H1's (checked below, see
                `same_order`), on its own Gloo group
 
-Both run the same arithmetic: torch's loss is mse/m with scale_grads=False, torchpar scales each
+Both compute the same gradients: torch's loss is mse/m with scale_grads=False, torchpar scales each
 micro-batch's loss by 1/m; neither returns outputs (torch: return_outputs=False; torchpar:
 loss_on="last", no loss broadcast). A step is forward + backward of the batch, no optimizer (the
-gradients accumulate, the same in both). Before timing, one step of each from zero gradients must
+gradients accumulate, the same in both). One difference in how: torchpar runs each plain nn.Linear as
+its own linear layer, whose backward adds the weight gradient into .grad in one addmm_ where autograd
+computes it into a new tensor and adds that (torchpar/pipeline/linear_layer.h). Before timing, one step of each from zero gradients must
 give the same gradients on every rank; for the torch schedules that run a stored order
 (interleaved, zero bubble) that order is compared with torchpar's action list (`same_order`).
 
@@ -31,10 +33,10 @@ per-round ratios.
 Bubble (world sizes with a core per rank; 4 ranks on this 2-core machine are oversubscribed, so
 idle time there is time spent waiting for a core, not pipeline bubble): each rank measures, one
 rank at a time, its own stages alone on one micro-batch (forward F, backward B, and for zero_bubble
-the input-gradient I and weight-gradient W passes done as torchpar does, layer by layer). The
-stage costs feed torchpar.pipeline.simulate(schedule, ranks, m, v, F, B, I, W): its
+the input-gradient I and weight-gradient W passes done as torchpar does, layer by layer), once with
+the layers as torchpar builds them and once as the plain modules torch runs. torchpar's stage costs feed torchpar.pipeline.simulate(schedule, ranks, m, v, F, B, I, W): its
 bubble_fraction is the prediction; the measured bubble is 1 - (compute per rank) / (step time),
-compute per rank = m x (F + B) (or F + I + W) summed over the rank's stages. A second measured
+compute per rank = m x (F + B) (or F + I + W) summed over the rank's stages, each engine's own costs. A second measured
 figure uses each rank's main-thread CPU time over the timed steps as busy time (Gloo waits sleep):
 it counts the runtime's own work and any slowdown of compute inside the pipeline as busy. The
 prediction is made twice: with transfers free (the schedule's own bubble, the closed forms) and with
@@ -203,24 +205,30 @@ def median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def stage_costs(stage: nn.Sequential, first: bool, last: bool, m: int, split: bool, repeats: int) -> dict:
+def stage_costs(stage: nn.Sequential, first: bool, last: bool, m: int, split: bool, repeats: int, impl: str) -> dict:
     """This stage alone on one micro-batch: F, B (full backward), and with `split` I and W as
     torchpar's zero-bubble stage does them (a leaf at every layer boundary; I walks the layers back
-    for input gradients keeping the graph; W then backpropagates each layer to its weights)."""
+    for input gradients keeping the graph; W then backpropagates each layer to its weights). For
+    `impl` "torchpar" each layer runs as torchpar's pipeline builds it (plain nn.Linear layers as its
+    own linear layer, which adds weight gradients into .grad in one step), for "torch" as the module."""
     generator = torch.Generator().manual_seed(7)
     rows = BATCH // m
     x = torch.randn(rows, WIDTH, generator=generator).requires_grad_(not first)
     target = torch.randn(rows, WIDTH, generator=generator)
     grad = torch.randn(rows, WIDTH, generator=generator)
+    import torchpar.pipeline
+
     parameters = list(stage.parameters())
+    engine_layers = [torchpar.pipeline._layer(str(index), layer) for index, layer in enumerate(stage)]
+    calls = [(lambda t, layer=layer: layer([t])[0]) for layer in engine_layers] if impl == "torchpar" else list(stage)
 
     def forward(layer_by_layer: bool):
         inputs, outputs, current = [], [], x
-        for layer in stage:
+        for call in calls:
             if layer_by_layer and inputs:
                 current = current.detach().requires_grad_(True)
             inputs.append(current)
-            current = layer(current)
+            current = call(current)
             outputs.append(current)
         if last:
             loss_input = current.detach().requires_grad_(True) if layer_by_layer else current
@@ -358,14 +366,15 @@ def timed_run(config: Config, impl: str, control) -> tuple[float, float]:
     return elapsed.item(), cpu
 
 
-def measure_costs(config: Config, rank: int, world: int, control, repeats: int) -> list[dict]:
-    """Every stage's isolated costs, one rank at a time (the others wait), gathered on every rank."""
+def measure_costs(config: Config, rank: int, world: int, control, repeats: int, impl: str) -> list[dict]:
+    """Every stage's isolated costs as `impl` computes them, one rank at a time (the others wait), gathered on
+    every rank."""
     mine = []
     for turn in range(world):
         if turn == rank:
             for sub, index in zip(config.submodules, config.stage_indices):
                 mine.append(stage_costs(sub, index == 0, index == len(config.pipe.balance) - 1, config.m,
-                                        split=config.schedule == "zero_bubble", repeats=repeats)
+                                        split=config.schedule == "zero_bubble", repeats=repeats, impl=impl)
                             | {"stage": index, "rank": rank})
         dist.barrier(group=control)
     gathered: list = [None] * world
@@ -493,7 +502,8 @@ def rank_main(rank: int, world: int, port: int, options: dict, results) -> None:
                 if progress:
                     progress.update()
         memory = gather(measure_memory(config), world, control)
-        costs = measure_costs(config, rank, world, control, options["cost_repeats"]) if bubbles else None
+        costs = measure_costs(config, rank, world, control, options["cost_repeats"], "torchpar") if bubbles else None
+        torch_costs = measure_costs(config, rank, world, control, options["cost_repeats"], "torch") if bubbles else None
         transfer_ms = measure_transfer(config, rank, control) if bubbles else None
         run_bubble = measure_run_bubble(config, world, control) if bubbles else None
         cpu_ms = {impl: [statistics.median(ms) for ms in gather(config.cpu_ms[impl], world, control)] for impl in IMPLS}
@@ -515,6 +525,7 @@ def rank_main(rank: int, world: int, port: int, options: dict, results) -> None:
             simulation_costs = {"forward": 1.0, "backward": 2.0, "backward_input": 1.0, "backward_weight": 1.0}
             if costs:
                 row["stage_costs_ms"] = costs
+                row["torch_stage_costs_ms"] = torch_costs
                 simulation_costs |= {name: statistics.mean(c[name] for c in costs)
                                      for name in simulation_costs if costs[0][name] is not None}
             simulation = simulate(schedule, world, m, config.v, **simulation_costs)
@@ -543,7 +554,7 @@ def rank_main(rank: int, world: int, port: int, options: dict, results) -> None:
                                          predicted=from_run.bubble_fraction, host_ms_per_action=host,
                                          predicted_with_host=1 - compute / (world * from_run_with_host.makespan))
             if costs:
-                row["bubble"] = bubble_figures(row, costs, world)
+                row["bubble"] = bubble_figures(row, world)
             rows.append(row)
         del config
         gc.collect()
@@ -554,20 +565,23 @@ def rank_main(rank: int, world: int, port: int, options: dict, results) -> None:
     dist.destroy_process_group()
 
 
-def bubble_figures(row: dict, costs: list[dict], world: int) -> dict:
-    """Measured bubbles from the step times and the isolated stage costs (and CPU time)."""
+def bubble_figures(row: dict, world: int) -> dict:
+    """Measured bubbles from the step times and each engine's isolated stage costs (and CPU time)."""
     m, split = row["microbatches"], row["schedule"] == "zero_bubble"
-    busy = [0.0] * world  # ms of compute per step on each rank
-    for cost in costs:
-        passes = cost["forward"] + (cost["backward_input"] + cost["backward_weight"] if split else cost["backward"])
-        busy[cost["rank"]] += m * passes
-    figures = {"compute_ms_per_rank": busy, "simulated": row["simulated"]["bubble_fraction"],
+    busy = {}  # per engine, ms of compute per step on each rank
+    for impl, costs in (("torchpar", row["stage_costs_ms"]), ("torch", row["torch_stage_costs_ms"])):
+        busy[impl] = [0.0] * world
+        for cost in costs:
+            passes = cost["forward"] + (cost["backward_input"] + cost["backward_weight"] if split else cost["backward"])
+            busy[impl][cost["rank"]] += m * passes
+    figures = {"compute_ms_per_rank": busy["torchpar"], "torch_compute_ms_per_rank": busy["torch"],
+               "simulated": row["simulated"]["bubble_fraction"],
                "with_transfers": row["simulated"]["bubble_fraction_with_transfers"],
                "predicted_step_ms": row["simulated"]["makespan_ms_with_transfers"]}
     for impl in IMPLS:
         step_ms = BATCH / row[f"{impl}_samples_per_s"] * 1e3
         figures[f"{impl}_step_ms"] = step_ms
-        figures[f"{impl}_measured"] = 1 - statistics.mean(busy) / step_ms
+        figures[f"{impl}_measured"] = 1 - statistics.mean(busy[impl]) / step_ms
         figures[f"{impl}_cpu_measured"] = 1 - statistics.mean(row["cpu_ms_per_step"][impl]) / step_ms
     return figures
 
@@ -600,18 +614,25 @@ def throughput_table(rows: list[dict]) -> str:
 
 
 def bubble_table(rows: list[dict]) -> str:
-    lines = ["| ranks | schedule | m | F / B (I+W) ms | transfer ms | predicted bubble, free transfers "
-             "| predicted bubble, measured transfers | predicted step ms | torchpar step ms | torchpar measured "
-             "| difference | torchpar busy-CPU bubble | torch measured |",
-             "| ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| ranks | schedule | m | torchpar F / B (I+W) ms | torch F / B (I+W) ms | transfer ms "
+             "| predicted bubble, free transfers | predicted bubble, measured transfers | predicted step ms "
+             "| torchpar step ms | torchpar measured | difference | torchpar busy-CPU bubble | torch measured |",
+             "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def passes(costs: dict, split: bool) -> str:
+        return (f"{costs['forward']:.2f} / {costs['backward_input']:.2f}+{costs['backward_weight']:.2f}" if split
+                else f"{costs['forward']:.2f} / {costs['backward']:.2f}")
+
     for r in rows:
         if "bubble" not in r:
             continue
-        b, c, sim = r["bubble"], r["simulated"]["costs_ms"], r["simulated"]
-        passes = (f"{c['forward']:.2f} / {c['backward_input']:.2f}+{c['backward_weight']:.2f}"
-                  if r["schedule"] == "zero_bubble" else f"{c['forward']:.2f} / {c['backward']:.2f}")
+        b, sim, split = r["bubble"], r["simulated"], r["schedule"] == "zero_bubble"
+        torch_costs = {name: statistics.mean(c[name] for c in r["torch_stage_costs_ms"])
+                       for name in ("forward", "backward", "backward_input", "backward_weight")
+                       if r["torch_stage_costs_ms"][0][name] is not None}
         predicted = sim["bubble_fraction_with_transfers"]
-        lines.append(f"| {r['world']} | {label(r).rsplit(' m=', 1)[0]} | {r['microbatches']} | {passes} "
+        lines.append(f"| {r['world']} | {label(r).rsplit(' m=', 1)[0]} | {r['microbatches']} "
+                     f"| {passes(sim['costs_ms'], split)} | {passes(torch_costs, split)} "
                      f"| {sim['transfer_ms']:.2f} | {b['simulated']:.1%} | {predicted:.1%} "
                      f"| {sim['makespan_ms_with_transfers']:.1f} | {b['torchpar_step_ms']:.1f} "
                      f"| {b['torchpar_measured']:.1%} | {(b['torchpar_measured'] - predicted) * 100:+.1f} pp "

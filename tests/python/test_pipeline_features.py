@@ -267,3 +267,45 @@ def in_place_first_layers(rank, world, schedule, checkpoint):
 def test_layers_that_change_their_input_in_place():
     for schedule, checkpoint in (("1f1b", False), ("zero_bubble", False), ("1f1b", True)):
         assert run_on_ranks(2, in_place_first_layers, schedule, checkpoint) == [True, True]
+
+
+def test_plain_linear_layers_run_as_the_engines_own_and_hooked_ones_as_modules():
+    assert torchpar.pipeline._plain_linear(nn.Linear(4, 4))
+    hooked = nn.Linear(4, 4)
+    hooked.register_forward_hook(lambda module, args, output: output)
+    assert not torchpar.pipeline._plain_linear(hooked)
+    assert not torchpar.pipeline._plain_linear(nn.modules.linear.NonDynamicallyQuantizableLinear(4, 4))
+
+
+def hooked_gradients(rank, world, schedule):
+    """A tensor hook doubling one weight's gradient and post-accumulate hooks counting on every weight."""
+    model = deep_mlp()
+    weights = [module.weight for module in model if isinstance(module, nn.Linear)]
+
+    def hook_all(parameters, counts):
+        parameters[0].register_hook(lambda gradient: gradient * 2)
+        for index, weight in enumerate(parameters):
+            weight.register_post_accumulate_grad_hook(lambda _, index=index: counts.__setitem__(index, counts[index] + 1))
+
+    reference = copy.deepcopy(model)
+    reference_counts = [0] * len(weights)
+    hook_all([module.weight for module in reference if isinstance(module, nn.Linear)], reference_counts)
+    inputs, target = batch(16)
+    expected_loss = nn.functional.cross_entropy(reference(inputs), target)  # reference_gradients' copy would drop the hooks
+    expected_loss.backward()
+    expected_grads = {name: parameter.grad for name, parameter in reference.named_parameters()}
+    assert reference_counts == [1] * len(weights)
+
+    counts = [0] * len(weights)
+    hook_all(weights, counts)
+    pipe = torchpar.pipeline.Pipeline(model, nn.functional.cross_entropy, schedule=schedule, microbatches=4)
+    loss = pipe.step(inputs, target)
+    assert_matches_reference(pipe, model, loss, expected_loss, expected_grads)
+    own = {id(parameter) for parameter in pipe.parameters()}
+    return [count for weight, count in zip(weights, counts) if id(weight) in own]
+
+
+def test_hooks_on_linear_weights_see_each_micro_batchs_gradient_as_under_autograd():
+    for schedule in ("1f1b", "zero_bubble"):
+        counts = run_on_ranks(2, hooked_gradients, schedule)
+        assert sum(map(len, counts)) == 5 and all(count == 4 for rank in counts for count in rank), (schedule, counts)

@@ -2,6 +2,7 @@
 // python/torchpar/pipeline.
 #include <torchpar/bindings/bindings.h>
 
+#include <torchpar/pipeline/linear_layer.h>
 #include <torchpar/pipeline/partition.h>
 #include <torchpar/pipeline/pipeline.h>
 #include <torchpar/pipeline/simulator.h>
@@ -133,7 +134,15 @@ void bind_pipeline(py::module_& module) {
            }),
            py::arg("name"), py::arg("forward"), py::arg("parameters"))
       .def_readonly("name", &pp::Layer::name)
-      .def_readonly("parameters", &pp::Layer::parameters);
+      .def_readonly("parameters", &pp::Layer::parameters)
+      .def("__call__", [](const pp::Layer& layer, const pp::Tensors& inputs) { return layer.forward(inputs); },
+           py::arg("inputs"));
+  pipeline.def(
+      "linear_layer",
+      [](std::string name, at::Tensor weight, std::optional<at::Tensor> bias) {
+        return pp::linear_layer(name, std::move(weight), bias.value_or(at::Tensor()));
+      },
+      py::arg("name"), py::arg("weight"), py::arg("bias"));
 
   py::class_<pp::Pipeline>(pipeline, "Pipeline", py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](std::vector<pp::LayerFactory> factories, pp::LossFn loss,

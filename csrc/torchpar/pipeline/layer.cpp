@@ -2,10 +2,16 @@
 
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include <torchpar/pipeline/linear_layer.h>
 
 namespace torchpar::pipeline {
 
 Layer layer_from_module(const std::string& name, torch::nn::AnyModule module) {
+  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(module.ptr().get())) {
+    return linear_layer(name, linear->weight, linear->bias);
+  }
   Layer layer;
   layer.name = name;
   layer.parameters = module.ptr()->parameters();

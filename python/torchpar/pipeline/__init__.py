@@ -51,7 +51,19 @@ def _as_tensors(value) -> list[torch.Tensor]:
     raise TypeError(f"a pipeline layer must return a tensor or a tuple of tensors, got {type(value).__name__}")
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear whose forward nothing intercepts: the engine may run it as its own linear layer."""
+    hooks = nn.modules.module
+    return type(module) is nn.Linear and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks)
+
+
 def _layer(name: str, module: nn.Module) -> _engine.Layer:
+    if _plain_linear(module):
+        # Its backward adds the weight gradient into .grad with one addmm_ (see linear_layer.h).
+        return _engine.linear_layer(name, module.weight, module.bias)
     return _engine.Layer(name, lambda tensors: _as_tensors(module(*tensors)), list(module.parameters()))
 
 
