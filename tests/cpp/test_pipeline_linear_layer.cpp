@@ -1,6 +1,7 @@
 // pipeline/linear_layer: the linear layer that adds its weight gradient into .grad itself, against
 // at::linear under plain autograd: every gradient, and every way autograd may be asked for them.
 #include "catch_with_torch.h"
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/randn.h>
@@ -136,4 +137,18 @@ TEST_CASE("pipeline linear layer: layer_from_module builds it for torch::nn::Lin
   REQUIRE(layer.parameters.size() == 2);
   const auto out = layer.forward({at::randn({2, 4})})[0];
   CHECK(out.grad_fn()->name().find("LinearAccumulatingWeightGradient") != std::string::npos);
+}
+
+TEST_CASE("pipeline linear layer: under autocast it runs as autograd's linear, in the lower precision", "[pipeline]") {
+  torch::nn::Linear module(4, 3);
+  const auto layer = pipeline::linear_layer("fc", module->weight, module->bias);
+  const auto x = at::randn({2, 4}).requires_grad_(true);
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  const auto out = layer.forward({x})[0];
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  at::autocast::clear_cache();
+  CHECK(out.scalar_type() == at::autocast::get_autocast_dtype(at::kCPU));
+  out.sum().backward();
+  CHECK(module->weight.grad().scalar_type() == at::kFloat);
+  CHECK(x.grad().defined());
 }

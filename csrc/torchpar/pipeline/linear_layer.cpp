@@ -1,5 +1,6 @@
 #include <torchpar/pipeline/linear_layer.h>
 
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
@@ -107,6 +108,11 @@ Layer linear_layer(const std::string& name, at::Tensor weight, at::Tensor bias) 
   layer.forward = [name, weight = std::move(weight), bias = std::move(bias)](const Tensors& inputs) -> Tensors {
     TORCH_CHECK(inputs.size() == 1, "pipeline layer ", name, " is a linear layer taking one tensor; it was given ",
                 inputs.size());
+    // Under autocast the product runs in a lower precision than the weight; autograd's own linear
+    // records the casts its backward needs.
+    if (at::autocast::is_autocast_enabled(inputs[0].device().type())) {
+      return {at::linear(inputs[0], weight, bias)};
+    }
     return {linear_accumulating_weight_gradient(inputs[0], weight, bias)};
   };
   return layer;
