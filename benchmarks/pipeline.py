@@ -21,9 +21,10 @@ micro-batch's loss by 1/m; neither returns outputs (torch: return_outputs=False;
 loss_on="last", no loss broadcast). A step is forward + backward of the batch, no optimizer (the
 gradients accumulate, the same in both). One difference in how: torchpar runs each plain nn.Linear as
 its own linear layer, whose backward adds the weight gradient into .grad in one addmm_ where autograd
-computes it into a new tensor and adds that (torchpar/pipeline/linear_layer.h). Before timing, one step of each from zero gradients must
-give the same gradients on every rank; for the torch schedules that run a stored order
-(interleaved, zero bubble) that order is compared with torchpar's action list (`same_order`).
+computes it into a new tensor and adds that (torchpar/pipeline/linear_layer.h). Before timing, one
+step of each from zero gradients must give the same gradients on every rank; for the torch
+schedules that run a stored order (interleaved, zero bubble) that order is compared with torchpar's
+action list (`same_order`).
 
 Throughput: after warm-up, torch and torchpar are timed alternately in the same processes over
 several rounds (the one going first alternates); a measurement is the slowest rank's time for a
@@ -34,9 +35,10 @@ Bubble (world sizes with a core per rank; 4 ranks on this 2-core machine are ove
 idle time there is time spent waiting for a core, not pipeline bubble): each rank measures, one
 rank at a time, its own stages alone on one micro-batch (forward F, backward B, and for zero_bubble
 the input-gradient I and weight-gradient W passes done as torchpar does, layer by layer), once with
-the layers as torchpar builds them and once as the plain modules torch runs. torchpar's stage costs feed torchpar.pipeline.simulate(schedule, ranks, m, v, F, B, I, W): its
-bubble_fraction is the prediction; the measured bubble is 1 - (compute per rank) / (step time),
-compute per rank = m x (F + B) (or F + I + W) summed over the rank's stages, each engine's own costs. A second measured
+the layers as torchpar builds them and once as the plain modules torch runs. torchpar's stage costs
+feed torchpar.pipeline.simulate(schedule, ranks, m, v, F, B, I, W): its bubble_fraction is the
+prediction; the measured bubble is 1 - (compute per rank) / (step time), compute per rank =
+m x (F + B) (or F + I + W) summed over the rank's stages, each engine's own costs. A second measured
 figure uses each rank's main-thread CPU time over the timed steps as busy time (Gloo waits sleep):
 it counts the runtime's own work and any slowdown of compute inside the pipeline as busy. The
 prediction is made twice: with transfers free (the schedule's own bubble, the closed forms) and with
