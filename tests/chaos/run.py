@@ -222,10 +222,12 @@ def judge(trial: Trial, job: Job, survivors: list[int], stopped_at: float) -> li
             problems.append(f"rank {rank} finished although rank {trial.victim} stopped")
             continue
         if not names_rank(result["message"], trial.victim):
-            problems.append(f"rank {rank}'s error does not name rank {trial.victim}: {result['message'][:400]}")
+            problems.append(f"rank {rank}'s error does not name rank {trial.victim}: {result['message'][:400]}\n"
+                            f"{result['traceback'][-1000:]}")
         seconds = result["failed_at"] - stopped_at
         if seconds > REPORT_WITHIN_S:
-            problems.append(f"rank {rank} reported {seconds:.1f} s after the victim stopped (> {REPORT_WITHIN_S:.0f} s)")
+            problems.append(f"rank {rank} reported {seconds:.1f} s after the victim stopped (> {REPORT_WITHIN_S:.0f} s): "
+                            f"{result['message'][:400]}")
     return problems
 
 
@@ -303,9 +305,15 @@ def main() -> int:
             count["failed"] += bool(verdict["problems"])
         print(f"| {strategy} | {len(mine)} | {count['kill']} | {count['stop']} | {len(mine) - count['failed']} | "
               f"{count['hang']} | {count['leak']} | {count['lost']} | {count['failed']} |")
-    failed = sum(bool(v["problems"]) for v in verdicts)
+    failed = [v for v in verdicts if v["problems"]]
+    # Repeated after the table: a log kept only by its tail (CI's) still says what failed and how.
+    for verdict in failed:
+        print(f"\nFAILED trial {verdict['trial']} ({verdict['what']}); replay: python tests/chaos/run.py "
+              f"--replay {verdict['trial']}")
+        for problem in verdict["problems"]:
+            print("  " + problem[:1500].replace("\n", "\n  "))
     print(f"\n{len(trials)} trials in {time.monotonic() - started:.0f} s: "
-          + ("all ended as they must" if not failed else f"{failed} failed (replay commands above)"))
+          + ("all ended as they must" if not failed else f"{len(failed)} failed (each with its replay command above)"))
     return 1 if failed else 0
 
 
