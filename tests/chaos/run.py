@@ -136,6 +136,25 @@ class Job:
     def all_ready(self) -> bool:
         return all("READY" in self.output(rank) for rank in range(len(self.processes)))
 
+    def started_or_failed(self) -> bool:
+        """Every rank ready, or one ended before it was."""
+        return self.all_ready() or any(process.poll() is not None for process in self.processes)
+
+    def describe_start(self) -> str:
+        """Why the job did not get ready: each rank's state and the end of its output; a rank still running
+        first writes its threads' Python stacks (workload.py registers SIGUSR1 with faulthandler)."""
+        running = [process for process in self.processes if process.poll() is None]
+        for process in running:
+            os.kill(process.pid, signal.SIGUSR1)
+        if running:
+            time.sleep(1.0)
+        parts = []
+        for rank, process in enumerate(self.processes):
+            state = "ready" if "READY" in self.output(rank) else (
+                "running" if process.poll() is None else f"exited {process.returncode}")
+            parts.append(f"--- rank {rank} ({state}):\n{self.output(rank)[-2500:]}")
+        return "\n".join(parts)
+
     def kill_all(self) -> None:
         for process in self.processes:
             if process.poll() is None:
@@ -170,8 +189,10 @@ def run_trial_once(trial: Trial, latest_signal_s: float) -> dict | None:
         job = Job(trial, directory)
         verdict = {"trial": trial.label, "what": trial.describe(), "problems": [], "restart": ""}
         try:
-            if not wait_until(job.all_ready, 120):
-                verdict["problems"].append("the job did not start")
+            started = time.monotonic()
+            if not wait_until(job.started_or_failed, 120) or not job.all_ready():
+                verdict["problems"].append(f"the job did not start ({time.monotonic() - started:.1f} s):\n"
+                                           + job.describe_start())
                 return verdict
             victim = job.processes[trial.victim]
             if trial.phase == "anytime":
@@ -311,7 +332,7 @@ def main() -> int:
         print(f"\nFAILED trial {verdict['trial']} ({verdict['what']}); replay: python tests/chaos/run.py "
               f"--replay {verdict['trial']}")
         for problem in verdict["problems"]:
-            print("  " + problem[:1500].replace("\n", "\n  "))
+            print("  " + problem[:8000].replace("\n", "\n  "))
     print(f"\n{len(trials)} trials in {time.monotonic() - started:.0f} s: "
           + ("all ended as they must" if not failed else f"{len(failed)} failed (each with its replay command above)"))
     return 1 if failed else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import pathlib
@@ -18,13 +19,17 @@ import sys
 import time
 import traceback
 
-import torch
-import torch.distributed as dist
-from torch import nn
+# Before torch's import, which takes seconds: the harness asks a rank that did not get ready for its threads'
+# stacks (SIGUSR1).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
-import torchpar
-import torchpar.pipeline
-import torchpar.ps
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import torchpar  # noqa: E402
+import torchpar.pipeline  # noqa: E402
+import torchpar.ps  # noqa: E402
 
 STEPS = 12
 PS_STEPS = 60
@@ -150,8 +155,20 @@ def train_ps(args: argparse.Namespace, victim: Victim, rank: int) -> dict:
     return {"restored_clock": restored_clock, "final": final.tolist()}
 
 
+def wait_for_every_rank() -> None:
+    """Meets the other ranks on the harness's store, with time to spare, before the process group is made:
+    its rendezvous has the trial's short timeout, which ranks still importing torch on a loaded machine (seconds
+    apart) could outlast. The trial is about faults once the job runs."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=100))
+    if store.add("chaos/arrived", 1) == int(os.environ["WORLD_SIZE"]):
+        store.set("chaos/everyone", "1")
+    store.wait(["chaos/everyone"])
+
+
 def main() -> int:
     args = parse_args()
+    wait_for_every_rank()
     torchpar.init_process_group(backend=args.backend, timeout=datetime.timedelta(seconds=args.timeout))
     rank = dist.get_rank()
     victim = Victim(args, rank)
