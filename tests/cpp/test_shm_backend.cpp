@@ -127,6 +127,33 @@ TEST_CASE("shm: an op's result is refused until it completed, as Gloo does", "[s
   CHECK_THROWS_WITH(failed.wait(), Contains("the peer left"));
 }
 
+// A small op runs on its caller's thread and wakes the backend's thread only when another op was queued
+// meanwhile: here rank 0's second op, issued from another thread while its first waits for rank 1.
+TEST_CASE("shm: an op issued while another runs on its caller's thread runs once that one finishes", "[shm]") {
+  run_on_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    std::vector<at::Tensor> first{at::full({256}, static_cast<double>(rank + 1))};
+    std::vector<at::Tensor> second{at::full({256}, 10.0 * (rank + 1))};
+    c10::intrusive_ptr<c10d::Work> first_work;
+    c10::intrusive_ptr<c10d::Work> second_work;
+    if (rank == 0) {
+      std::thread later([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        second_work = pg->allreduce(second);
+      });
+      first_work = pg->allreduce(first);  // returns once rank 1 joined, 300 ms from now
+      later.join();
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      first_work = pg->allreduce(first);
+      second_work = pg->allreduce(second);
+    }
+    first_work->wait(std::chrono::seconds(10));
+    second_work->wait(std::chrono::seconds(10));
+    CHECK(at::allclose(first[0], at::full({256}, 3.0), 0, 0));
+    CHECK(at::allclose(second[0], at::full({256}, 30.0), 0, 0));
+  }, shm());
+}
+
 TEST_CASE("shm: unsupported requests name the op", "[shm]") {
   run_on_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     std::vector<at::Tensor> integers{at::ones({4}, at::kInt)};

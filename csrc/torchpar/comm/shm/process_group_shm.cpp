@@ -229,11 +229,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(
     running_ = true;
   }
   const auto error = run_task(task);
+  bool queued_meanwhile = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     running_ = false;
+    queued_meanwhile = !queue_.empty() || stopping_;
   }
-  wake_.notify_one();
+  // Only then is the backend's thread waiting for this op: waking it after every op costs the caller a
+  // futex call and puts the idle thread on a core beside the ranks (measured: 1 KiB all-reduce).
+  if (queued_meanwhile) {
+    wake_.notify_one();
+  }
   deliver(*work, error);
   return work;
 }
@@ -256,7 +262,6 @@ void ProcessGroupShm::run_tasks() {
       std::lock_guard<std::mutex> lock(mutex_);
       running_ = false;
     }
-    wake_.notify_all();
     deliver(*next.first, error);
     std::lock_guard<std::mutex> lock(mutex_);
     finished_.push_back(std::move(next));

@@ -11,7 +11,7 @@ ShmWork::ShmWork(int rank, c10d::OpType type, uint64_t sequence_number, std::vec
     : Work(rank, type),
       sequence_number_(sequence_number),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {}
 
 c10::intrusive_ptr<c10::ivalue::Future> ShmWork::getFuture() {
   return future_;
