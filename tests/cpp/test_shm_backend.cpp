@@ -136,11 +136,17 @@ TEST_CASE("shm: an op issued while another runs on its caller's thread runs once
     c10::intrusive_ptr<c10d::Work> first_work;
     c10::intrusive_ptr<c10d::Work> second_work;
     if (rank == 0) {
+      auto* backend = pg->getBackend(c10::DeviceType::CPU).get();
+      const uint64_t issued_before = backend->getSequenceNumberForGroup();
       std::thread later([&] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        // Once the first op was issued (it then waits for rank 1, 300 ms from the start).
+        while (backend->getSequenceNumberForGroup() == issued_before) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
         second_work = pg->allreduce(second);
       });
-      first_work = pg->allreduce(first);  // returns once rank 1 joined, 300 ms from now
+      first_work = pg->allreduce(first);  // returns once rank 1 joined
       later.join();
     } else {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
