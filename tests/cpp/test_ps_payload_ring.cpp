@@ -18,7 +18,7 @@ std::vector<uint8_t> pattern(size_t bytes, int seed) {
   return data;
 }
 
-std::unique_ptr<ps::IncomingRing> open_or_fail(const ps::RingOffer& offer) {
+std::unique_ptr<ps::IncomingRing> open_or_fail(const ps::RegionOffer& offer) {
   std::string why_not;
   auto ring = ps::IncomingRing::open(offer, &why_not);
   INFO(why_not);

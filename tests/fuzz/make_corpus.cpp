@@ -76,7 +76,9 @@ std::map<std::string, Bytes> seeds() {
   streams["seed-register-dense"].add(MessageKind::RegisterDense, [&](auto& w) { encode_registration(w, weight); });
   streams["seed-register-sparse"].add(MessageKind::RegisterSparse, [&](auto& w) { encode_registration(w, embedding); });
   streams["seed-pull"].add(MessageKind::Pull, [&](auto& w) {
-    encode_dense_items(w, {dense_item(weight, 0, 0, false), dense_item(bias, 1, 0, false)}, false);
+    auto in_place = dense_item(weight, 0, 0, false);
+    in_place.in_place = true;
+    encode_dense_items(w, {in_place, dense_item(bias, 1, 0, false)}, false);
   });
   streams["seed-push"].add(MessageKind::Push, [&](auto& w) {
     encode_dense_items(w, {dense_item(weight, 0, 0, true), dense_item(bias, 1, 0, true)}, true);
@@ -95,7 +97,9 @@ std::map<std::string, Bytes> seeds() {
                                         [&](auto& w) { encode_learning_rate(w, 1, 0.5); });
   streams["seed-checkpoint"].add(MessageKind::Checkpoint);
   streams["seed-finish"].add(MessageKind::Finish);
-  streams["seed-reply-registered"].add(MessageKind::Ok, [&](auto& w) { encode_registered(w, {3, 12, true}); });
+  streams["seed-reply-registered"].add(MessageKind::Ok, [&](auto& w) {
+    encode_registered(w, {3, 12, true, RegionOffer{"host", 4242, 17, 0x5eed, 4096, 1 << 20}});
+  });
   streams["seed-reply-error"].add(MessageKind::Error, [&](auto& w) { w.put_string("torchpar.ps: refused"); });
 
   // Streams: the second push is at clock 1; new tables take the next id.

@@ -236,7 +236,7 @@ def dense_payload(items) -> Payload:
         payload.u32(table).i64(clock).u8(dtype).u32(len(shape))
         for size in shape:
             payload.i64(size)
-        payload.i64(numel)
+        payload.i64(numel).u8(0)  # not read in place
         if data is not None:
             payload.tensor(data)
     return payload

@@ -6,6 +6,8 @@ SGD with momentum and weight decay) and for embeddings (ps.Embedding, duplicate 
 ASP: concurrent pushes from every worker all land, none lost, over 1, 2 and 3 servers.
 SSP: a read at clock c sees every worker's pushes of clocks < c - s, the fast worker waits for the slow
 one, yet runs up to s clocks ahead; ASP in the same setup runs further ahead (so the check can fail).
+Under each model a wide table's reads are lent in place by the servers (not copied into the replies), and
+each read sees one state of each shard.
 """
 import time
 
@@ -28,6 +30,9 @@ MOMENTUM = dict(momentum=0.9, weight_decay=0.01)
 NUM_ROWS, DIM, BAG = 40, 3, 4
 ADAGRAD_LR = 0.2
 ROW_INIT = dict(low=-0.5, high=0.5, seed=11)
+# Past the size from which a server lends a shard's values to same-host readers instead of copying them
+# (csrc/torchpar/ps/server.cpp, kSharedValuesFromBytes), with 1, 2 or 3 servers.
+WIDE = 200_000
 
 
 def mlp(seed):
@@ -54,6 +59,10 @@ def global_batch(step, workers):
 
 def sparse_forward(embedding, embedding2, linear, ids, ids2):
     return linear(embedding(ids).sum(1) + embedding2(ids2).mean(1))
+
+
+def wide_gradient(step, worker):
+    return torch.randn(WIDE, generator=torch.Generator().manual_seed(1000 * step + worker))
 
 
 def bsp_worker(service, workers):
@@ -84,6 +93,9 @@ def bsp_worker(service, workers):
         losses["sparse"].append(loss.item())
     embedding.flush()
     embedding2.flush()
+    # A table whose shards the servers lend in place: each read at clock t+1 is the state after round t.
+    wide = client.dense_table("wide", torch.linspace(-1, 1, WIDE), ps.SGD(LR))
+    wide_reads = [client.push_pull([wide], [wide_gradient(step, w)]).wait()[0] for step in range(STEPS)]
     rows = client.pull_rows([embedding.table, embedding2.table], [torch.arange(NUM_ROWS)] * 2).wait()
     return dict(
         losses=losses,
@@ -92,6 +104,7 @@ def bsp_worker(service, workers):
         head={k: v.detach().clone() for k, v in linear.state_dict().items()},
         rows=rows,
         clock=plain_params.clock,
+        wide_reads=wide_reads,
     )
 
 
@@ -121,8 +134,13 @@ def bsp_reference(workers):
         losses["sparse"].append(loss.item())
         for optimizer in optimizers:
             optimizer.step()
+    wide, wide_reads = torch.linspace(-1, 1, WIDE), []
+    for step in range(STEPS):
+        wide = wide - LR * sum(wide_gradient(step, w) for w in range(workers)) / workers
+        wide_reads.append(wide)
     return dict(losses=losses, plain=plain.state_dict(), momentum=momentum.state_dict(), head=linear.state_dict(),
-                rows=[embedding.weight.detach(), embedding2.weight.detach()], initial_rows=initial)
+                rows=[embedding.weight.detach(), embedding2.weight.detach()], initial_rows=initial,
+                wide_reads=wide_reads)
 
 
 @pytest.mark.parametrize("workers,servers", [(2, 2), (3, 1)])
@@ -137,6 +155,8 @@ def test_bsp_equals_single_process_training_on_the_global_batch(scenario, worker
                                            msg=lambda m: f"worker {w}, {model}.{name}: {m}")
         for table, got, value in zip(["emb.sgd", "emb.adagrad"], result["rows"], expected["rows"]):
             torch.testing.assert_close(got, value, atol=1e-5, rtol=0, msg=lambda m: f"worker {w}, {table}: {m}")
+        for step, (got, value) in enumerate(zip(result["wide_reads"], expected["wide_reads"])):
+            torch.testing.assert_close(got, value, atol=1e-5, rtol=0, msg=lambda m: f"worker {w}, wide, {step}: {m}")
     for model, reference in expected["losses"].items():
         # Each worker's loss is its shard's mean; equal shards: their mean is the global batch's loss.
         mean = [sum(r["losses"][model][step] for r in results) / workers for step in range(STEPS)]
@@ -147,6 +167,7 @@ def test_bsp_equals_single_process_training_on_the_global_batch(scenario, worker
     for rows in expected["rows"]:
         assert not torch.allclose(rows, expected["initial_rows"], atol=1e-3)
     assert all(s["max_staleness"] == 0 and s["lost_workers"] == [] for s in stats)
+    assert all(s["reads_in_place"] >= workers * STEPS for s in stats), stats  # the wide table's reads
 
 
 # --- ASP: every push lands ----------------------------------------------------------------------------
@@ -165,8 +186,20 @@ def asp_pushes(worker):
         small = torch.randint(-3, 4, (2,), generator=generator).float()
         ids = torch.randint(0, 12, (5,), generator=generator)  # duplicates; rows 12..15 never pushed
         rows = torch.randint(-3, 4, (5, ASP_DIM), generator=generator).float()
-        pushes.append((dense, small, ids, rows))
+        wide = int(torch.randint(1, 4, (), generator=generator))  # every element of the wide table's gradient
+        pushes.append((dense, small, ids, rows, wide))
     return pushes
+
+
+def shard_ranges(numel, servers):
+    """The flattened ranges of a dense table the servers hold (csrc/torchpar/ps/client.cpp)."""
+    return [(numel * s // servers, numel * (s + 1) // servers) for s in range(servers)]
+
+
+def torn_shards(values, servers):
+    """Shards of a read of the wide table whose elements differ: every push adds the same to each element,
+    so a read that saw one state of its shard has one value per shard."""
+    return sum(int(values[begin:end].unique().numel() != 1) for begin, end in shard_ranges(WIDE, servers))
 
 
 def asp_worker(service):
@@ -174,24 +207,29 @@ def asp_worker(service):
     dense = client.dense_table("dense", DENSE_INITIAL, ps.SGD(1.0))
     small = client.dense_table("small", torch.tensor([5.0, -5.0]), ps.SGD(1.0))  # fewer elements than servers
     rows = client.sparse_table("rows", ASP_ROWS, ASP_DIM, ps.SGD(1.0))
+    wide = client.dense_table("wide", torch.zeros(WIDE), ps.SGD(1.0))
     dist.barrier(group=service.worker_group)  # push at the same time
-    futures = []
-    for i, (g, g_small, ids, g_rows) in enumerate(asp_pushes(w)):
+    futures, wide_reads = [], []
+    for i, (g, g_small, ids, g_rows, g_wide) in enumerate(asp_pushes(w)):
+        grads = [g, g_small, torch.full((WIDE,), float(g_wide))]
         if i % 3 == 0:
-            futures.append(client.push_pull([dense, small], [g, g_small]))
+            wide_reads.append(client.push_pull([dense, small, wide], grads))
         else:
-            futures.append(client.push([dense, small], [g, g_small]))
+            futures.append(client.push([dense, small, wide], grads))
         futures.append(client.push_rows([rows], [ids], [g_rows]))
         if i % 5 == 0:
-            futures.append(client.pull([dense]))  # never waits under ASP
+            wide_reads.append(client.pull([wide, dense]))  # never waits under ASP
             futures.append(client.pull_rows([rows], [ids]))
-    for future in futures:
+    for future in futures + wide_reads:
         future.wait()
-    clocks = [client.clock(dense), client.clock(small), client.clock(rows)]
+    torn = sum(torn_shards(next(v for v in read.value() if v.numel() == WIDE), service.num_servers)
+               for read in wide_reads)
+    clocks = [client.clock(dense), client.clock(small), client.clock(rows), client.clock(wide)]
     dist.barrier(group=service.worker_group)  # every worker's pushes were answered, so applied
-    final_dense, final_small = client.pull([dense, small]).wait()
+    final_dense, final_small, final_wide = client.pull([dense, small, wide]).wait()
     final_rows = client.pull_rows([rows], [torch.arange(ASP_ROWS)]).wait()[0]
-    return dict(clocks=clocks, dense=final_dense, small=final_small, rows=final_rows)
+    return dict(clocks=clocks, dense=final_dense, small=final_small, rows=final_rows, wide=final_wide,
+                torn=torn, wide_reads=len(wide_reads))
 
 
 @pytest.mark.parametrize("servers", [1, 2, 3])
@@ -202,13 +240,19 @@ def test_asp_loses_no_concurrent_update(scenario, servers):
     expected_dense = DENSE_INITIAL - sum(p[0] for p in pushes)  # SGD, lr 1: value - sum of every gradient
     expected_small = torch.tensor([5.0, -5.0]) - sum(p[1] for p in pushes)
     expected_rows = torch.zeros(ASP_ROWS, ASP_DIM)
-    for _, _, ids, rows in pushes:
+    for _, _, ids, rows, _ in pushes:
         expected_rows.index_add_(0, ids, -rows)
+    expected_wide = torch.full((WIDE,), -float(sum(p[4] for p in pushes)))
     for result in results:
-        assert result["clocks"] == [ASP_PUSHES] * 3
+        assert result["clocks"] == [ASP_PUSHES] * 4
         assert torch.equal(result["dense"], expected_dense), (result["dense"], expected_dense)
         assert torch.equal(result["small"], expected_small), (result["small"], expected_small)
         assert torch.equal(result["rows"], expected_rows), (result["rows"] - expected_rows)
+        assert torch.equal(result["wide"], expected_wide), (result["wide"] - expected_wide).abs().max()
+        # Reads answered while the other worker's pushes changed the table: none saw a half-applied one.
+        assert result["torn"] == 0, result["torn"]
+    # The wide table's reads were lent in place (same host), not copied: the path under test was taken.
+    assert sum(s["reads_in_place"] for s in stats) >= sum(r["wide_reads"] for r in results) * servers // 2, stats
     # Every row lives on exactly one server.
     assert sum(t["rows_touched"] for s in stats for t in s["tables"] if t["name"] == "rows") == ASP_ROWS
     assert all(s["lost_workers"] == [] for s in stats)
@@ -229,19 +273,24 @@ def ssp_worker(service, staleness):
     clock after its push) and the counts it saw."""
     client, w = service.client, service.worker_index
     counter = client.dense_table("counter", torch.zeros(COUNTER), ps.SGD(1.0))
+    wide = client.dense_table("wide", torch.zeros(WIDE), ps.SGD(1.0))  # a counter whose reads are lent in place
     rows = client.sparse_table("rows", 4, 1, ps.SGD(1.0))
     slow = w == service.num_workers - 1
     dist.barrier(group=service.worker_group)
     reads = []
     start = time.monotonic()
     for clock in range(SSP_STEPS):
-        assert client.clock(counter) == clock and client.clock(rows) == clock
+        assert client.clock(counter) == clock and client.clock(wide) == clock and client.clock(rows) == clock
         row = client.pull_rows([rows], [torch.tensor([2])]).wait()[0]
         reads.append(dict(what="pull_rows", clock=clock, counts=row.flatten().tolist()))
         if slow:
             time.sleep(SLOW_SLEEPS_S[clock])
-        value = client.push_pull([counter], [-torch.ones(COUNTER)]).wait()[0]
-        reads.append(dict(what="push_pull", clock=clock + 1, counts=value.tolist()))
+        value, wide_value = client.push_pull([counter, wide], [-torch.ones(COUNTER), -torch.ones(WIDE)]).wait()
+        # Each shard of the wide counter counts as one element more, if the read saw one state of it.
+        shards = shard_ranges(WIDE, service.num_servers)
+        assert torn_shards(wide_value, service.num_servers) == 0, (clock, wide_value.unique())
+        reads.append(dict(what="push_pull", clock=clock + 1,
+                          counts=value.tolist() + [wide_value[begin].item() for begin, _ in shards]))
         client.push_rows([rows], [torch.tensor([2])], [-torch.ones(1, 1)]).wait()
     return dict(slow=slow, reads=reads, elapsed=time.monotonic() - start)
 
@@ -278,6 +327,7 @@ def test_ssp_bounds_staleness_and_blocks_the_fast_worker(scenario, staleness, se
     assert fast["elapsed"] >= 0.9 * sum(SLOW_SLEEPS_S[:SSP_STEPS - staleness]), fast
     assert all(s["max_staleness"] <= staleness for s in stats), stats
     assert max(s["max_staleness"] for s in stats) == staleness, stats
+    assert all(s["reads_in_place"] >= SSP_STEPS for s in stats), stats  # the wide counter's reads
 
 
 def test_asp_lets_the_fast_worker_run_ahead(scenario):

@@ -29,6 +29,7 @@ py::dict summary_to_dict(const ps::ServerSummary& summary) {
   result["bytes_in"] = summary.bytes_in;
   result["bytes_out"] = summary.bytes_out;
   result["max_staleness"] = summary.max_staleness;
+  result["reads_in_place"] = summary.reads_in_place;
   result["lost_workers"] = summary.lost_workers;
   py::list tables;
   for (const auto& table : summary.tables) {

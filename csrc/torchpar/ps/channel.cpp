@@ -39,25 +39,15 @@ int slot_of(std::vector<int64_t>& sizes, std::set<int64_t>& seen_once, int64_t b
   return static_cast<int>(sizes.size()) - 1;
 }
 
-std::vector<uint8_t> encode_offer(const RingOffer& offer) {
+std::vector<uint8_t> encode_offer(const RegionOffer& offer) {
   WireWriter writer;
-  writer.put_string(offer.host);
-  writer.put<int64_t>(offer.pid);
-  writer.put<int64_t>(offer.fd);
-  writer.put<uint64_t>(offer.token);
-  writer.put<int64_t>(offer.capacity);
+  put_offer(writer, offer);
   return writer.release();
 }
 
-RingOffer decode_offer(const uint8_t* bytes) {
+RegionOffer decode_offer(const uint8_t* bytes) {
   WireReader reader(bytes, Frame::kOfferBytes);
-  RingOffer offer;
-  offer.host = reader.get_string("ring host");
-  offer.pid = reader.get<int64_t>("ring pid");
-  offer.fd = reader.get<int64_t>("ring descriptor");
-  offer.token = reader.get<uint64_t>("ring token");
-  offer.capacity = reader.get<int64_t>("ring capacity");
-  return offer;
+  return get_offer(reader);
 }
 
 } // namespace

@@ -11,7 +11,6 @@
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include <array>
 #include <cstring>
 
 namespace torchpar::ps {
@@ -82,7 +81,9 @@ bool Client::receive(int server, Message&& message) {
   }
   auto request = requests_.answer(message.frame.request_id);
   if (!request) {
-    return true; // answered after its deadline: its future already failed
+    // Answered after its deadline: its future already failed; values it lends go back unread.
+    if (message.frame.kind == MessageKind::Ok) hand_back_lendings(server);
+    return true;
   }
   if (message.frame.kind == MessageKind::Error) {
     std::string reason = "torchpar.ps: " + requests_.server_name(server) + " refused " + request->what;
@@ -96,10 +97,18 @@ bool Client::receive(int server, Message&& message) {
   try {
     request->on_reply(message);
   } catch (const std::exception& error) {
+    hand_back_lendings(server);
     request->on_error("torchpar.ps: the reply of " + requests_.server_name(server) + " to " + request->what +
                       " is malformed: " + message_of(error));
   }
   return true;
+}
+
+void Client::hand_back_lendings(int server) {
+  std::lock_guard<std::mutex> lock(tables_mutex_);
+  for (const auto& table : tables_) {
+    if (!table.sparse && table.mapped[server]) table.mapped[server]->hand_back();
+  }
 }
 
 void Client::watch_deadlines() {
@@ -150,12 +159,21 @@ Future Client::send_parts(MessageKind kind, std::vector<ServerPart> parts, const
 }
 
 // A registration's reply: the table's id on server `s`, and its clock there (non-zero after a restore).
-std::function<void(const Message&)> Client::record_registration(const std::shared_ptr<ClientTable>& table, int s) {
-  return [table, s](const Message& reply) {
+std::function<void(const Message&)> Client::record_registration(const std::shared_ptr<ClientTable>& table,
+                                                                int s) const {
+  return [table, s, worker = worker_index_](const Message& reply) {
     const auto registered = decode_registered(reply.payload.defined() ? reply.payload.data_ptr<uint8_t>() : nullptr,
                                               static_cast<size_t>(reply.frame.payload_bytes));
     table->server_table[s] = registered.table;
     table->clocks[s] = registered.clock;
+    if (registered.values) {
+      std::string why_not;
+      table->mapped[s] = MappedValues::open(*registered.values, worker, &why_not);
+      if (!table->mapped[s]) {
+        LOG(INFO) << "torchpar.ps worker " << worker << ": the values of table '" << table->name
+                  << "' come in the replies of server " << s << ": " << why_not;
+      }
+    }
   };
 }
 
@@ -177,6 +195,7 @@ int Client::dense_table(const std::string& name, const at::Tensor& initial, cons
   table->numel = initial.numel();
   table->server_table.assign(num_servers(), -1);
   table->clocks.assign(num_servers(), 0);
+  table->mapped.assign(num_servers(), nullptr);
   const auto flat = initial.detach().contiguous().view(-1).cpu();
   std::vector<ServerPart> parts;
   for (int s = 0; s < num_servers(); ++s) {
@@ -288,19 +307,26 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
   std::vector<ServerPart> parts;
   for (int s = 0; s < num_servers(); ++s) {
     std::vector<DenseItem> items;
-    std::vector<std::array<int64_t, 3>> reads; // table position, shard begin, shard length
+    struct Read {
+      size_t output;
+      int64_t begin;  // the shard's, in the table
+      int64_t numel;
+      std::shared_ptr<MappedValues> mapped;
+    };
+    std::vector<Read> reads;
     for (size_t i = 0; i < tables.size(); ++i) {
       auto& t = tables_[tables[i]];
       if (t.server_table[s] < 0) continue;
       const int64_t begin = t.shard_begin[s];
       const int64_t n = t.shard_end[s] - begin;
       DenseItem item{static_cast<uint32_t>(t.server_table[s]), t.clocks[s], t.dtype, t.shape, n, nullptr};
+      item.in_place = reading && t.mapped[s] != nullptr;
       if (pushing) {
         item.data = bytes_of(flat_grads[i]) + begin * flat_grads[i].element_size();
         t.clocks[s] += 1;
       }
       items.push_back(item);
-      reads.push_back({static_cast<int64_t>(i), begin, n});
+      reads.push_back({i, begin, n, t.mapped[s]});
     }
     if (items.empty()) continue;
     WireWriter writer;
@@ -309,9 +335,16 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
     if (reading) {
       read_values = [outputs, reads](const Message& reply) {
         auto reader = reader_of(reply);
-        for (const auto& [index, begin, n] : reads) {
+        for (const auto& [index, begin, n, mapped] : reads) {
           auto& output = (*outputs)[index];
           const size_t bytes = n * output.element_size();
+          auto* destination = static_cast<uint8_t*>(output.data_ptr()) + begin * output.element_size();
+          if (reader.get<uint8_t>("values lent") != 0) {
+            const auto lending = reader.get<uint64_t>("lending");
+            TORCH_CHECK(mapped, "the server lends values of a table this worker has not mapped");
+            mapped->read(lending, bytes, destination);
+            continue;
+          }
           const auto* data = reader.get_data(bytes, "values");
           if (n == output.numel()) {
             // One server holds the whole table: its reply is the tensor, no copy.
@@ -319,7 +352,7 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
             output = at::from_blob(
                 const_cast<uint8_t*>(data), output.sizes(), [payload](void*) {}, output.options());
           } else {
-            std::memcpy(static_cast<uint8_t*>(output.data_ptr()) + begin * output.element_size(), data, bytes);
+            std::memcpy(destination, data, bytes);
           }
         }
         reader.expect_end();

@@ -6,6 +6,7 @@
 #include <torchpar/ps/channel.h>
 #include <torchpar/ps/config.h>
 #include <torchpar/ps/request_tracker.h>
+#include <torchpar/ps/shared_values.h>
 
 #include <ATen/core/ivalue.h>
 
@@ -27,6 +28,8 @@ struct ClientTable {
   std::vector<int64_t> shard_end;
   std::vector<int64_t> server_table; // the table's id on each server; -1: no part there
   std::vector<int64_t> clocks;       // this worker's pushes, as each server counts them
+  // dense, per server: its shard's values mapped, read in place when the server lends them; else null
+  std::vector<std::shared_ptr<MappedValues>> mapped;
 };
 
 class Client {
@@ -82,8 +85,11 @@ class Client {
   Future send_parts(MessageKind kind, std::vector<ServerPart> parts, const std::string& what, c10::TypePtr type,
                     std::function<c10::IValue()> result);
   bool receive(int server, Message&& message);
+  // Hands back every lending of server `server`'s values this worker holds: only the reply being
+  // handled on that server's receiving thread can hold one.
+  void hand_back_lendings(int server);
   void watch_deadlines();
-  static std::function<void(const Message&)> record_registration(const std::shared_ptr<ClientTable>& table, int s);
+  std::function<void(const Message&)> record_registration(const std::shared_ptr<ClientTable>& table, int s) const;
   int add_table(MessageKind kind, std::vector<ServerPart> parts, const std::shared_ptr<ClientTable>& table,
                 const std::string& what);
   Future dense_operation(MessageKind kind, const std::vector<int>& tables, const std::vector<at::Tensor>& grads);

@@ -14,13 +14,15 @@ at::Tensor tensor_or_undefined(const c10::IValue& value) {
 } // namespace
 
 DenseTable::DenseTable(std::string name, std::vector<int64_t> shape, int64_t shard_begin, int64_t shard_end,
-                       at::Tensor initial, OptimizerConfig optimizer, int num_workers)
-    : Table(std::move(name), initial.scalar_type(), optimizer, num_workers),
+                       at::Tensor values, OptimizerConfig optimizer, int num_workers,
+                       std::function<void()> before_change)
+    : Table(std::move(name), values.scalar_type(), optimizer, num_workers),
       shape_(std::move(shape)),
       shard_begin_(shard_begin),
       shard_end_(shard_end),
-      values_(std::move(initial)),
-      state_(initial_dense_state(optimizer, values_)) {}
+      values_(std::move(values)),
+      state_(initial_dense_state(optimizer, values_)),
+      before_change_(std::move(before_change)) {}
 
 int64_t DenseTable::bytes() const {
   int64_t total = values_.nbytes();
@@ -39,6 +41,7 @@ void DenseTable::apply_mean(const std::vector<at::Tensor>& ids, const std::vecto
     }
     mean.div_(static_cast<double>(grads.size()));
   }
+  if (before_change_) before_change_();
   apply_dense(optimizer(), values_, mean, state_);
 }
 
@@ -59,6 +62,7 @@ void DenseTable::restore(const c10::impl::GenericDict& state) {
   TORCH_CHECK(values.numel() == numel() && values.scalar_type() == dtype(), "torchpar.ps: the checkpoint of table '",
               name(), "' holds ", values.numel(), " ", c10::toString(values.scalar_type()), " values for a shard of ",
               numel(), " ", c10::toString(dtype()));
+  if (before_change_) before_change_();
   values_.copy_(values);
   state_.momentum_buffer = tensor_or_undefined(state.at("momentum_buffer"));
   state_.sum = tensor_or_undefined(state.at("sum"));

@@ -3,12 +3,16 @@
 #include <torchpar/ps/optimizer.h>
 #include <torchpar/ps/table.h>
 
+#include <functional>
+
 namespace torchpar::ps {
 
 class DenseTable : public Table {
  public:
-  DenseTable(std::string name, std::vector<int64_t> shape, int64_t shard_begin, int64_t shard_end, at::Tensor initial,
-             OptimizerConfig optimizer, int num_workers);
+  // `values` become the table's (not copied); `before_change` runs before anything changes them (a
+  // server whose values are lent to readers waits there until they are handed back).
+  DenseTable(std::string name, std::vector<int64_t> shape, int64_t shard_begin, int64_t shard_end, at::Tensor values,
+             OptimizerConfig optimizer, int num_workers, std::function<void()> before_change = {});
 
   bool is_sparse() const override { return false; }
   int64_t bytes() const override;
@@ -28,6 +32,7 @@ class DenseTable : public Table {
   int64_t shard_end_;
   at::Tensor values_;
   DenseOptimizerState state_;
+  std::function<void()> before_change_;
 };
 
 } // namespace torchpar::ps

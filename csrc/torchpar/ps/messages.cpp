@@ -108,6 +108,7 @@ std::vector<DenseItem> read_dense_items(WireReader& reader, bool with_data) {
   return read_items<DenseItem>(reader, [&](DenseItem& item) {
     item.shape = read_shape(reader);
     item.numel = checked_count(reader.get<int64_t>("numel"), "an element count");
+    item.in_place = reader.get<uint8_t>("in-place flag") != 0;
     if (with_data) {
       item.data = reader.get_data(item.numel * c10::elementSize(item.dtype), "gradient data");
     }
@@ -204,12 +205,13 @@ Request decode_request(MessageKind kind, const uint8_t* payload, size_t size) {
 void encode_dense_items(WireWriter& writer, const std::vector<DenseItem>& items, bool with_data) {
   size_t bytes = 4;
   for (const auto& item : items) {
-    bytes += 44 + 8 * item.shape.size();
+    bytes += 45 + 8 * item.shape.size();
   }
   writer.reserve(writer.size() + bytes);
   write_items(writer, items, [&](const DenseItem& item) {
     write_shape(writer, item.shape);
     writer.put<int64_t>(item.numel);
+    writer.put<uint8_t>(item.in_place ? 1 : 0);
     if (with_data) {
       writer.put_data_view(item.data, item.numel * c10::elementSize(item.dtype));
     }
@@ -264,6 +266,8 @@ void encode_registered(WireWriter& writer, const Registered& registered) {
   writer.put<uint32_t>(registered.table);
   writer.put<int64_t>(registered.clock);
   writer.put<uint8_t>(registered.restored ? 1 : 0);
+  writer.put<uint8_t>(registered.values ? 1 : 0);
+  if (registered.values) put_offer(writer, *registered.values);
 }
 
 Registered decode_registered(const uint8_t* payload, size_t size) {
@@ -272,6 +276,7 @@ Registered decode_registered(const uint8_t* payload, size_t size) {
   registered.table = reader.get<uint32_t>("table id");
   registered.clock = reader.get<int64_t>("clock");
   registered.restored = reader.get<uint8_t>("restored") != 0;
+  if (reader.get<uint8_t>("values offered") != 0) registered.values = get_offer(reader);
   reader.expect_end();
   return registered;
 }

@@ -3,6 +3,7 @@
 // checks every count, size and dtype code against the bytes present; the server then checks the
 // decoded items against its tables before it changes anything.
 #include <torchpar/ps/config.h>
+#include <torchpar/ps/region_offer.h>
 #include <torchpar/ps/wire_format.h>
 
 #include <optional>
@@ -19,6 +20,8 @@ struct DenseItem {
   std::vector<int64_t> shape;
   int64_t numel = 0; // of this shard
   const uint8_t* data = nullptr;
+  // A read: the worker has mapped the shard's values (shared_values.h), so they may be lent.
+  bool in_place = false;
 };
 
 // Rows of a sparse table: distinct ids (the client sums duplicates) and, in a push, their gradients.
@@ -76,6 +79,7 @@ struct Registered {
   uint32_t table = 0;
   int64_t clock = 0;    // the worker's pushes so far (non-zero after a restore)
   bool restored = false;
+  std::optional<RegionOffer> values; // a dense shard whose values workers on the server's host may map
 };
 void encode_registered(WireWriter& writer, const Registered& registered);
 Registered decode_registered(const uint8_t* payload, size_t size);

@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <cstring>
-#include <random>
 
 namespace torchpar::ps {
 namespace {
@@ -21,8 +20,7 @@ uint64_t round_up(uint64_t value, uint64_t multiple) {
 // At the start of the ring's memory. Each side writes one counter; they sit on their own cache lines so
 // the two processes do not share one.
 struct RingHeader {
-  uint64_t token;
-  uint64_t capacity;
+  RegionStamp stamp;
   alignas(64) std::atomic<uint64_t> written;   // the sender's: data before it is complete
   alignas(64) std::atomic<uint64_t> consumed;  // the receiver's: space before it is free again
 };
@@ -39,19 +37,18 @@ OutgoingRing::OutgoingRing(int64_t capacity) {
   TORCH_CHECK(capacity > 0, "torchpar.ps: a payload ring of ", capacity, " bytes");
   capacity_ = round_up(static_cast<uint64_t>(capacity), static_cast<uint64_t>(::getpagesize()));
   region_ = MemfdRegion::create(kHeaderBytes + capacity_, "torchpar-ps-payloads");
-  std::random_device random;
-  token_ = (static_cast<uint64_t>(random()) << 32) ^ random() ^ static_cast<uint64_t>(::getpid());
+  token_ = random_region_token();
   auto* ring = new (region_.data()) RingHeader{};
-  ring->token = token_;
-  ring->capacity = capacity_;
+  ring->stamp = RegionStamp{token_, capacity_};
 }
 
 char* OutgoingRing::data() const {
   return static_cast<char*>(region_.data()) + kHeaderBytes;
 }
 
-RingOffer OutgoingRing::offer() const {
-  return RingOffer{memfd_host_key(), ::getpid(), region_.descriptor(), token_, static_cast<int64_t>(capacity_)};
+RegionOffer OutgoingRing::offer() const {
+  return RegionOffer{memfd_host_key(), ::getpid(), region_.descriptor(), token_, static_cast<int64_t>(kHeaderBytes),
+                     static_cast<int64_t>(capacity_)};
 }
 
 void OutgoingRing::close_descriptor() {
@@ -84,23 +81,14 @@ std::optional<uint64_t> OutgoingRing::write(size_t size, const std::function<voi
   return position;
 }
 
-std::unique_ptr<IncomingRing> IncomingRing::open(const RingOffer& offer, std::string* why_not) {
-  if (offer.host != memfd_host_key()) {
-    *why_not = "the peer runs on another host (" + offer.host + ")";
+std::unique_ptr<IncomingRing> IncomingRing::open(const RegionOffer& offer, std::string* why_not) {
+  if (offer.header_bytes != static_cast<int64_t>(kHeaderBytes)) {
+    *why_not = "the peer's ring has a header of " + std::to_string(offer.header_bytes) + " bytes, not " +
+               std::to_string(kHeaderBytes);
     return nullptr;
   }
-  if (offer.capacity <= 0) {
-    *why_not = "the peer offers a ring of " + std::to_string(offer.capacity) + " bytes";
-    return nullptr;
-  }
-  auto region = MemfdRegion::open(offer.pid, offer.fd, kHeaderBytes + static_cast<size_t>(offer.capacity), why_not);
+  auto region = open_offered_region(offer, "ring", why_not);
   if (!region) return nullptr;
-  const auto* header = header_of(region->data());
-  if (header->token != offer.token || header->capacity != static_cast<uint64_t>(offer.capacity)) {
-    *why_not = "/proc/" + std::to_string(offer.pid) + "/fd/" + std::to_string(offer.fd) +
-               " is not the peer's ring (another process with that id?)";
-    return nullptr;
-  }
   return std::unique_ptr<IncomingRing>(new IncomingRing(std::move(*region), static_cast<uint64_t>(offer.capacity)));
 }
 

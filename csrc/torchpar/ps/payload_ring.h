@@ -6,6 +6,7 @@
 // space back. The ring is an anonymous memfd the receiver maps through /proc/<pid>/fd/<fd>: no name
 // in /dev/shm, so a process killed at any moment leaves nothing behind.
 #include <torchpar/common/memfd_region.h>
+#include <torchpar/ps/region_offer.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -18,15 +19,6 @@
 
 namespace torchpar::ps {
 
-// What a sender tells its peer so the peer can map the sender's ring.
-struct RingOffer {
-  std::string host;      // memfd_host_key()
-  int64_t pid = 0;
-  int64_t fd = 0;
-  uint64_t token = 0;    // random; the mapped ring must hold it (another process with that pid and fd is refused)
-  int64_t capacity = 0;  // data bytes
-};
-
 // The sending side: created by the sender, written only by it.
 class OutgoingRing {
  public:
@@ -35,7 +27,7 @@ class OutgoingRing {
   OutgoingRing(const OutgoingRing&) = delete;
   OutgoingRing& operator=(const OutgoingRing&) = delete;
 
-  RingOffer offer() const;
+  RegionOffer offer() const;
   // The peer has mapped the ring (or declined it): its descriptor is no longer needed.
   void close_descriptor();
   // Copies `bytes` into the ring and returns where they start, or nothing when the ring has not that
@@ -60,7 +52,7 @@ class IncomingRing {
  public:
   // Maps the ring `offer` describes, or returns null with the reason in `why_not` (another host, a
   // /proc this process may not read, a token that does not match).
-  static std::unique_ptr<IncomingRing> open(const RingOffer& offer, std::string* why_not);
+  static std::unique_ptr<IncomingRing> open(const RegionOffer& offer, std::string* why_not);
   IncomingRing(const IncomingRing&) = delete;
   IncomingRing& operator=(const IncomingRing&) = delete;
 

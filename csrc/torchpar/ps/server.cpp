@@ -8,6 +8,7 @@
 #include <torchpar/ps/messages.h>
 #include <torchpar/ps/request_checks.h>
 #include <torchpar/ps/server_checkpoint.h>
+#include <torchpar/ps/shared_values.h>
 #include <torchpar/ps/sparse_table.h>
 
 #include <ATen/ops/from_blob.h>
@@ -25,6 +26,10 @@ namespace torchpar::ps {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Shards from this size on keep their values where same-host workers read them in place
+// (shared_values.h): the copy a reply would make costs more than the hand-back's futex call.
+constexpr int64_t kSharedValuesFromBytes = int64_t{256} << 10;
 
 ServerOptions with_default_log(ServerOptions options) {
   if (!options.log) {
@@ -83,6 +88,9 @@ class Server {
   void handle_message(int worker, Message&& message);
   void dispatch(int worker, const Frame& frame, Request&& request, at::Tensor payload);
   void register_dense(int worker, int64_t id, const DenseRegistration& registration);
+  // A new shard: its values lent to readers in place (`shared`) where workers can map them, else private.
+  std::unique_ptr<DenseTable> make_dense_table(const DenseRegistration& registration,
+                                               std::shared_ptr<SharedValues>* shared);
   void register_sparse(int worker, int64_t id, const SparseRegistration& registration);
   void answer_registration(int worker, int64_t id, const std::string& name);
   // Restored from the checkpoint when it holds the table.
@@ -113,6 +121,7 @@ class Server {
 
   Tables tables_;
   std::map<std::string, uint32_t> table_ids_;
+  std::map<uint32_t, std::shared_ptr<SharedValues>> shared_values_; // by table id
   struct WaitingRegistration {
     int worker;
     int64_t id;
@@ -326,7 +335,15 @@ void Server::answer_reads(int worker, int64_t id, const Request& request) {
     if (slowest != std::numeric_limits<int64_t>::max()) {
       summary_.max_staleness = std::max(summary_.max_staleness, item.clock + ahead - slowest);
     }
-    writer.put_data_view(t.values().const_data_ptr(), t.values().nbytes());
+    const auto shared = item.in_place ? shared_values_.find(item.table) : shared_values_.end();
+    const uint64_t lending = shared != shared_values_.end() ? shared->second->lend(worker) : 0;
+    writer.put<uint8_t>(lending != 0 ? 1 : 0);
+    if (lending != 0) {
+      writer.put<uint64_t>(lending);
+      summary_.reads_in_place += 1;
+    } else {
+      writer.put_data_view(t.values().const_data_ptr(), t.values().nbytes());
+    }
   }
   for (const auto& item : request.rows) {
     auto& t = static_cast<SparseTable&>(*tables_[item.table]);
@@ -442,12 +459,9 @@ void Server::register_dense(int worker, int64_t id, const DenseRegistration& reg
     return;
   }
   if (existing == table_ids_.end()) {
-    const int64_t numel = registration.shard_end - registration.shard_begin;
-    auto initial = at::from_blob(const_cast<uint8_t*>(registration.initial), {numel}, registration.dtype).clone();
-    add_table(std::make_unique<DenseTable>(registration.name, registration.shape, registration.shard_begin,
-                                           registration.shard_end, std::move(initial), registration.optimizer,
-                                           num_workers()),
-              "dense, " + registration.optimizer.describe());
+    std::shared_ptr<SharedValues> shared;
+    add_table(make_dense_table(registration, &shared), "dense, " + registration.optimizer.describe());
+    if (shared) shared_values_[table_ids_.at(registration.name)] = std::move(shared);
   }
   check_registration(*tables_[table_ids_.at(registration.name)], registration);
   answer_registration(worker, id, registration.name);
@@ -464,6 +478,36 @@ void Server::register_dense(int worker, int64_t id, const DenseRegistration& reg
       }
     }
   }
+}
+
+std::unique_ptr<DenseTable> Server::make_dense_table(const DenseRegistration& registration,
+                                                     std::shared_ptr<SharedValues>* shared_values) {
+  const int64_t numel = registration.shard_end - registration.shard_begin;
+  const auto initial = at::from_blob(const_cast<uint8_t*>(registration.initial), {numel}, registration.dtype);
+  std::shared_ptr<SharedValues> shared;
+  if (static_cast<int64_t>(initial.nbytes()) >= kSharedValuesFromBytes && Channel::default_ring_bytes() > 0) {
+    try {
+      shared = std::make_shared<SharedValues>(
+          numel, registration.dtype, num_workers(), options_.timeout,
+          [this, name = registration.name](int worker, const std::string& why) {
+            warn(who(worker) + " lost the values of table '" + name + "' it was reading: " + why);
+          });
+    } catch (const std::exception& error) {
+      warn("table '" + registration.name + "': its values are copied into every reply: " + message_of(error));
+    }
+  }
+  if (!shared) {
+    return std::make_unique<DenseTable>(registration.name, registration.shape, registration.shard_begin,
+                                        registration.shard_end, initial.clone(), registration.optimizer,
+                                        num_workers());
+  }
+  shared->values().copy_(initial);
+  *shared_values = shared;
+  // Runs under this server's lock: no lending starts while it waits for readers.
+  auto before_change = [shared] { shared->wait_until_returned(); };
+  return std::make_unique<DenseTable>(registration.name, registration.shape, registration.shard_begin,
+                                      registration.shard_end, shared->values(), registration.optimizer, num_workers(),
+                                      std::move(before_change));
 }
 
 void Server::add_table(std::unique_ptr<Table> table, const std::string& description) {
@@ -493,7 +537,10 @@ void Server::register_sparse(int worker, int64_t id, const SparseRegistration& r
 void Server::answer_registration(int worker, int64_t id, const std::string& name) {
   const uint32_t table = table_ids_.at(name);
   WireWriter writer;
-  encode_registered(writer, Registered{table, tables_[table]->pushes[worker], checkpoint_.holds(name)});
+  Registered registered{table, tables_[table]->pushes[worker], checkpoint_.holds(name), std::nullopt};
+  const auto shared = shared_values_.find(table);
+  if (shared != shared_values_.end()) registered.values = shared->second->offer();
+  encode_registered(writer, registered);
   reply_ok(worker, id, std::move(writer));
 }
 

@@ -44,6 +44,7 @@ struct ServerSummary {
   int64_t bytes_in = 0;
   int64_t bytes_out = 0;
   int64_t max_staleness = 0; // the most clocks a worker's read trailed its own clock
+  int64_t reads_in_place = 0; // dense shards' values lent to a same-host reader rather than copied (shared_values.h)
   std::vector<int> lost_workers;
   std::vector<TableSummary> tables;
 };

@@ -13,7 +13,7 @@
 namespace torchpar::ps {
 
 // Bumped whenever a field changes; peers of another version are refused with both versions named.
-constexpr int64_t kWireVersion = 3; // 2: dense items carry the table's shape; 3: payload rings
+constexpr int64_t kWireVersion = 4; // 2: dense items carry the table's shape; 3: payload rings; 4: shared values
 constexpr int64_t kWireMagic = 0x54505053; // "TPPS"
 
 enum class MessageKind : int64_t {

@@ -1,20 +1,18 @@
 #include <torchpar/comm/shm/progress.h>
 
-#include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <climits>
 #include <fstream>
 #include <sstream>
 #include <vector>
 
 #include <c10/util/Exception.h>
 
+#include <torchpar/common/futex.h>
 #include <torchpar/common/process_state.h>
 
 namespace torchpar::comm::shm {
@@ -49,13 +47,6 @@ bool process_dead(const RankControl& peer) {
   return peer.pid != 0 && peer.pid_namespace == pid_namespace() && process_state(peer.pid) == ProcessState::Exited;
 }
 
-void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::nanoseconds timeout) {
-  timespec ts{};
-  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
-  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
 // "rank(s) 1 3": the ranks that have not reached `target`; with `dead`, those whose process is
 // gone ("rank(s) 1 (process 4242)"), else those that are alive.
 std::string ranks_behind(RankControl* controls, int world, uint32_t target, bool dead) {
@@ -79,7 +70,7 @@ void advance(RankControl& mine) {
   // before the increment, or the sleeper must see the increment.
   mine.progress.fetch_add(1, std::memory_order_seq_cst);
   if (mine.sleepers.load(std::memory_order_seq_cst) > 0) {
-    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&mine.progress), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+    futex_wake_all(mine.progress);
   }
 }
 

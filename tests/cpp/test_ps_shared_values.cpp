@@ -1,0 +1,128 @@
+// ps/shared_values: a server's values lent in place to same-host readers, both sides in this process
+// (the reader maps the region through /proc/self's descriptor, as a worker on the host would), and a
+// reader in a forked process that dies holding them.
+#include "catch_with_torch.h"
+
+#include <torchpar/ps/shared_values.h>
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace ps = torchpar::ps;
+using Catch::Matchers::Contains;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr int64_t kNumel = 1000;
+
+struct Revocations {
+  std::vector<std::pair<int, std::string>> seen;
+  ps::SharedValues::OnRevoked record() {
+    return [this](int worker, const std::string& why) { seen.emplace_back(worker, why); };
+  }
+};
+
+std::unique_ptr<ps::MappedValues> map_or_fail(const ps::SharedValues& values, int worker) {
+  std::string why_not;
+  auto mapped = ps::MappedValues::open(values.offer(), worker, &why_not);
+  INFO(why_not);
+  REQUIRE(mapped);
+  return mapped;
+}
+
+} // namespace
+
+TEST_CASE("ps shared values: a lent read copies the values and hands them back, and changes wait for that") {
+  Revocations revocations;
+  ps::SharedValues values(kNumel, at::kFloat, 2, 10s, revocations.record());
+  values.values().copy_(at::arange(kNumel, at::kFloat));
+  auto reader = map_or_fail(values, 1);
+
+  const uint64_t lending = values.lend(1);
+  REQUIRE(lending != 0);
+  CHECK(values.lend(1) == 0);  // still held: a second read of it is answered with a copy
+
+  std::atomic<bool> returned{false};
+  std::thread server([&] {
+    values.wait_until_returned();
+    returned = true;
+  });
+  std::this_thread::sleep_for(50ms);
+  CHECK_FALSE(returned);  // the reader has not handed them back yet
+
+  auto out = at::empty({kNumel}, at::kFloat);
+  reader->read(lending, out.nbytes(), out.data_ptr());
+  server.join();
+  CHECK(returned);
+  CHECK(at::equal(out, at::arange(kNumel, at::kFloat)));
+  CHECK(revocations.seen.empty());
+
+  const uint64_t next = values.lend(1);
+  CHECK(next > lending);
+  CHECK_THROWS_WITH(reader->read(lending, out.nbytes(), out.data_ptr()), Contains("took back"));  // a stale one
+  reader->hand_back();
+  values.wait_until_returned();  // at once: nothing is lent
+}
+
+TEST_CASE("ps shared values: a reader that holds the values past the timeout loses them, and its read fails") {
+  Revocations revocations;
+  ps::SharedValues values(kNumel, at::kFloat, 1, 50ms, revocations.record());
+  auto reader = map_or_fail(values, 0);
+  const uint64_t lending = values.lend(0);
+  const auto started = std::chrono::steady_clock::now();
+  values.wait_until_returned();
+  CHECK(std::chrono::steady_clock::now() - started >= 50ms);
+  REQUIRE(revocations.seen.size() == 1);
+  CHECK(revocations.seen[0].first == 0);
+  CHECK_THAT(revocations.seen[0].second, Contains("within the timeout"));
+  auto out = at::empty({kNumel}, at::kFloat);
+  CHECK_THROWS_WITH(reader->read(lending, out.nbytes(), out.data_ptr()), Contains("took back"));
+}
+
+TEST_CASE("ps shared values: a reader whose process died loses its lending at once") {
+  Revocations revocations;
+  ps::SharedValues values(kNumel, at::kFloat, 2, 60s, revocations.record());
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    std::string why_not;
+    ::_exit(ps::MappedValues::open(values.offer(), 1, &why_not) ? 0 : 1);  // claims slot 1, then dies
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  REQUIRE((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  REQUIRE(values.lend(1) != 0);
+  const auto started = std::chrono::steady_clock::now();
+  values.wait_until_returned();
+  CHECK(std::chrono::steady_clock::now() - started < 10s);  // not the 60 s timeout
+  REQUIRE(revocations.seen.size() == 1);
+  CHECK(revocations.seen[0].first == 1);
+  CHECK_THAT(revocations.seen[0].second, Contains("exited"));
+}
+
+TEST_CASE("ps shared values: a reader on another host, or past the server's slots, is declined") {
+  Revocations revocations;
+  ps::SharedValues values(kNumel, at::kFloat, 2, 1s, revocations.record());
+  std::string why_not;
+  auto elsewhere = values.offer();
+  elsewhere.host = "another-machine/" + elsewhere.host;
+  CHECK_FALSE(ps::MappedValues::open(elsewhere, 0, &why_not));
+  CHECK_THAT(why_not, Contains("another host"));
+  CHECK_FALSE(ps::MappedValues::open(values.offer(), 2, &why_not));
+  CHECK_THAT(why_not, Contains("reader slots"));
+  auto wrong_token = values.offer();
+  wrong_token.token ^= 1;
+  CHECK_FALSE(ps::MappedValues::open(wrong_token, 0, &why_not));
+  CHECK_THAT(why_not, Contains("is not the peer's table values"));
+}
