@@ -71,7 +71,7 @@ TEST_CASE("ps shared values: a lent read copies the values and hands them back, 
   const uint64_t next = values.lend(1);
   CHECK(next > lending);
   CHECK_THROWS_WITH(reader->read(lending, out.nbytes(), out.data_ptr()), Contains("took back"));  // a stale one
-  reader->hand_back();
+  reader->hand_back_any();
   values.wait_until_returned();  // at once: nothing is lent
 }
 
@@ -125,4 +125,38 @@ TEST_CASE("ps shared values: a reader on another host, or past the server's slot
   wrong_token.token ^= 1;
   CHECK_FALSE(ps::MappedValues::open(wrong_token, 0, &why_not));
   CHECK_THAT(why_not, Contains("is not the peer's table values"));
+}
+
+TEST_CASE("ps shared values: a lending handed back unread or taken back by the server frees the values at once") {
+  Revocations revocations;
+  ps::SharedValues values(kNumel, at::kFloat, 1, 60s, revocations.record());
+  auto reader = map_or_fail(values, 0);
+  auto out = at::empty({kNumel}, at::kFloat);
+
+  reader->hand_back(values.lend(0));  // a reply that failed before reaching these values
+  values.wait_until_returned();       // at once, not after the 60 s timeout
+
+  const uint64_t lending = values.lend(0);
+  values.revoke(0);  // the reply did not go out, or the worker was dropped
+  values.wait_until_returned();
+  CHECK_THROWS_WITH(reader->read(lending, out.nbytes(), out.data_ptr()), Contains("took back"));
+  CHECK(revocations.seen.empty());  // taken back on purpose, not for a late or dead reader
+
+  values.lend(0);
+  reader->hand_back_any();  // a late reply's, whose lendings are not known
+  CHECK(values.lend(0) != 0);
+}
+
+TEST_CASE("ps shared values: the timeout bounds the wait for all late readers together, not each") {
+  Revocations revocations;
+  ps::SharedValues values(kNumel, at::kFloat, 3, 1s, revocations.record());
+  std::vector<std::unique_ptr<ps::MappedValues>> readers;
+  for (int w = 0; w < 3; ++w) {
+    readers.push_back(map_or_fail(values, w));
+    REQUIRE(values.lend(w) != 0);
+  }
+  const auto started = std::chrono::steady_clock::now();
+  values.wait_until_returned();
+  CHECK(std::chrono::steady_clock::now() - started < 2900ms);  // one timeout (plus slack), not three
+  CHECK(revocations.seen.size() == 3);
 }

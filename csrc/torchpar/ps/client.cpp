@@ -97,7 +97,6 @@ bool Client::receive(int server, Message&& message) {
   try {
     request->on_reply(message);
   } catch (const std::exception& error) {
-    hand_back_lendings(server);
     request->on_error("torchpar.ps: the reply of " + requests_.server_name(server) + " to " + request->what +
                       " is malformed: " + message_of(error));
   }
@@ -107,7 +106,7 @@ bool Client::receive(int server, Message&& message) {
 void Client::hand_back_lendings(int server) {
   std::lock_guard<std::mutex> lock(tables_mutex_);
   for (const auto& table : tables_) {
-    if (!table.sparse && table.mapped[server]) table.mapped[server]->hand_back();
+    if (!table.sparse && table.mapped[server]) table.mapped[server]->hand_back_any();
   }
 }
 
@@ -335,27 +334,52 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
     if (reading) {
       read_values = [outputs, reads](const Message& reply) {
         auto reader = reader_of(reply);
-        for (const auto& [index, begin, n, mapped] : reads) {
-          auto& output = (*outputs)[index];
-          const size_t bytes = n * output.element_size();
-          auto* destination = static_cast<uint8_t*>(output.data_ptr()) + begin * output.element_size();
-          if (reader.get<uint8_t>("values lent") != 0) {
-            const auto lending = reader.get<uint64_t>("lending");
-            TORCH_CHECK(mapped, "the server lends values of a table this worker has not mapped");
-            mapped->read(lending, bytes, destination);
-            continue;
+        struct Lent {
+          MappedValues* mapped;
+          uint64_t lending;
+          uint8_t* destination;
+          size_t bytes;
+        };
+        std::vector<Lent> lent;
+        // Whatever goes wrong, every lending of this reply not yet read goes back at once (the server
+        // waits for them before it changes those values).
+        auto hand_back_from = [&](size_t first) {
+          for (size_t k = first; k < lent.size(); ++k) lent[k].mapped->hand_back(lent[k].lending);
+        };
+        try {
+          for (const auto& [index, begin, n, mapped] : reads) {
+            auto& output = (*outputs)[index];
+            const size_t bytes = n * output.element_size();
+            auto* destination = static_cast<uint8_t*>(output.data_ptr()) + begin * output.element_size();
+            if (reader.get<uint8_t>("values lent") != 0) {
+              const auto lending = reader.get<uint64_t>("lending");
+              TORCH_CHECK(mapped, "the server lends values of a table this worker has not mapped");
+              lent.push_back({mapped.get(), lending, destination, bytes});
+              continue;
+            }
+            const auto* data = reader.get_data(bytes, "values");
+            if (n == output.numel()) {
+              // One server holds the whole table: its reply is the tensor, no copy.
+              auto payload = reply.payload;
+              output = at::from_blob(
+                  const_cast<uint8_t*>(data), output.sizes(), [payload](void*) {}, output.options());
+            } else {
+              std::memcpy(destination, data, bytes);
+            }
           }
-          const auto* data = reader.get_data(bytes, "values");
-          if (n == output.numel()) {
-            // One server holds the whole table: its reply is the tensor, no copy.
-            auto payload = reply.payload;
-            output = at::from_blob(
-                const_cast<uint8_t*>(data), output.sizes(), [payload](void*) {}, output.options());
-          } else {
-            std::memcpy(destination, data, bytes);
+          reader.expect_end();
+        } catch (...) {
+          hand_back_from(0);
+          throw;
+        }
+        for (size_t k = 0; k < lent.size(); ++k) {
+          try {
+            lent[k].mapped->read(lent[k].lending, lent[k].bytes, lent[k].destination);
+          } catch (...) {
+            hand_back_from(k + 1);
+            throw;
           }
         }
-        reader.expect_end();
       };
     }
     parts.push_back({s, std::move(writer), std::move(read_values)});
@@ -547,7 +571,8 @@ Future Client::send_raw(int server, int64_t kind, const at::Tensor& payload) {
   data.append(bytes.const_data_ptr<uint8_t>(), static_cast<size_t>(bytes.numel()));
   send_request(
       server, static_cast<MessageKind>(kind), std::move(data), "a raw request",
-      [future](const Message& reply) {
+      [this, server, future](const Message& reply) {
+        hand_back_lendings(server);  // a raw read that asked for values in place
         future->markCompleted(reply.payload.defined() ? reply.payload.clone() : at::empty({0}, at::kByte));
       },
       [future](const std::string& reason) {

@@ -85,8 +85,9 @@ class Client {
   Future send_parts(MessageKind kind, std::vector<ServerPart> parts, const std::string& what, c10::TypePtr type,
                     std::function<c10::IValue()> result);
   bool receive(int server, Message&& message);
-  // Hands back every lending of server `server`'s values this worker holds: only the reply being
-  // handled on that server's receiving thread can hold one.
+  // Hands back every lending of server `server`'s values this worker holds, for a reply whose own
+  // lendings are not known (its request expired, or it was a raw one). A later reply already sent may
+  // hold one too: its read then fails rather than wait (the job is already a timeout late).
   void hand_back_lendings(int server);
   void watch_deadlines();
   std::function<void(const Message&)> record_registration(const std::shared_ptr<ClientTable>& table, int s) const;

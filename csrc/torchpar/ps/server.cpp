@@ -328,33 +328,40 @@ void Server::answer_reads(int worker, int64_t id, const Request& request) {
   // them before reply_ok has sent them, so they are copied once, straight into the channel's ring.
   WireWriter writer;
   std::vector<at::Tensor> rows_read;
-  const int64_t ahead = request.kind == MessageKind::PushPull ? 1 : 0;
-  for (const auto& item : request.dense) {
-    const auto& t = static_cast<const DenseTable&>(*tables_[item.table]);
-    const int64_t slowest = consistency_.slowest_clock(t);
-    if (slowest != std::numeric_limits<int64_t>::max()) {
-      summary_.max_staleness = std::max(summary_.max_staleness, item.clock + ahead - slowest);
+  std::vector<SharedValues*> lent; // taken back if the reply does not go out
+  try {
+    const int64_t ahead = request.kind == MessageKind::PushPull ? 1 : 0;
+    for (const auto& item : request.dense) {
+      const auto& t = static_cast<const DenseTable&>(*tables_[item.table]);
+      const int64_t slowest = consistency_.slowest_clock(t);
+      if (slowest != std::numeric_limits<int64_t>::max()) {
+        summary_.max_staleness = std::max(summary_.max_staleness, item.clock + ahead - slowest);
+      }
+      const auto shared = item.in_place ? shared_values_.find(item.table) : shared_values_.end();
+      const uint64_t lending = shared != shared_values_.end() ? shared->second->lend(worker) : 0;
+      writer.put<uint8_t>(lending != 0 ? 1 : 0);
+      if (lending != 0) {
+        writer.put<uint64_t>(lending);
+        lent.push_back(shared->second.get());
+      } else {
+        writer.put_data_view(t.values().const_data_ptr(), t.values().nbytes());
+      }
     }
-    const auto shared = item.in_place ? shared_values_.find(item.table) : shared_values_.end();
-    const uint64_t lending = shared != shared_values_.end() ? shared->second->lend(worker) : 0;
-    writer.put<uint8_t>(lending != 0 ? 1 : 0);
-    if (lending != 0) {
-      writer.put<uint64_t>(lending);
-      summary_.reads_in_place += 1;
-    } else {
-      writer.put_data_view(t.values().const_data_ptr(), t.values().nbytes());
+    for (const auto& item : request.rows) {
+      auto& t = static_cast<SparseTable&>(*tables_[item.table]);
+      const int64_t slowest = consistency_.slowest_clock(t);
+      if (slowest != std::numeric_limits<int64_t>::max()) {
+        summary_.max_staleness = std::max(summary_.max_staleness, item.clock - slowest);
+      }
+      rows_read.push_back(t.read_rows(item.ids, item.count));
+      writer.put_data_view(rows_read.back().const_data_ptr(), rows_read.back().nbytes());
     }
+    reply_ok(worker, id, std::move(writer));
+  } catch (...) {
+    for (auto* values : lent) values->revoke(worker);
+    throw;
   }
-  for (const auto& item : request.rows) {
-    auto& t = static_cast<SparseTable&>(*tables_[item.table]);
-    const int64_t slowest = consistency_.slowest_clock(t);
-    if (slowest != std::numeric_limits<int64_t>::max()) {
-      summary_.max_staleness = std::max(summary_.max_staleness, item.clock - slowest);
-    }
-    rows_read.push_back(t.read_rows(item.ids, item.count));
-    writer.put_data_view(rows_read.back().const_data_ptr(), rows_read.back().nbytes());
-  }
-  reply_ok(worker, id, std::move(writer));
+  summary_.reads_in_place += static_cast<int64_t>(lent.size());
 }
 
 void Server::advance() {
@@ -409,6 +416,7 @@ void Server::lose(int worker, const std::string& reason) {
     return;
   }
   summary_.lost_workers.push_back(worker);
+  for (auto& [table, values] : shared_values_) values->revoke(worker); // a dropped reader's reads fail
   warn(who(worker) + " lost: " + reason + "; continuing with " + std::to_string(consistency_.active_count()) +
        " workers");
   // A worker dropped while alive hears why its waiting requests end (a dead one's sends just fail).
@@ -487,8 +495,10 @@ std::unique_ptr<DenseTable> Server::make_dense_table(const DenseRegistration& re
   std::shared_ptr<SharedValues> shared;
   if (static_cast<int64_t>(initial.nbytes()) >= kSharedValuesFromBytes && Channel::default_ring_bytes() > 0) {
     try {
+      // Half the timeout: a reader late that long is taken back before the other workers' requests,
+      // which wait behind this server's lock meanwhile, reach their own deadline.
       shared = std::make_shared<SharedValues>(
-          numel, registration.dtype, num_workers(), options_.timeout,
+          numel, registration.dtype, num_workers(), options_.timeout / 2,
           [this, name = registration.name](int worker, const std::string& why) {
             warn(who(worker) + " lost the values of table '" + name + "' it was reading: " + why);
           });

@@ -66,7 +66,8 @@ SharedValues::SharedValues(int64_t numel, c10::ScalarType dtype, int num_workers
   for (int w = 0; w < num_workers; ++w) {
     new (&slot_of(region_, w)) ReaderSlot{};
   }
-  values_ = at::from_blob(static_cast<char*>(region_.data()) + header_bytes_, {numel}, at::TensorOptions().dtype(dtype));
+  values_ = at::from_blob(static_cast<char*>(region_.data()) + header_bytes_, {numel},
+                          at::TensorOptions().dtype(dtype));
 }
 
 RegionOffer SharedValues::offer() const {
@@ -83,12 +84,18 @@ uint64_t SharedValues::lend(int worker) {
   return generation;
 }
 
+void SharedValues::revoke(int worker) {
+  auto& slot = slot_of(region_, worker);
+  uint64_t held = slot.generation.load(std::memory_order_acquire);
+  if (held != 0) slot.generation.compare_exchange_strong(held, 0, std::memory_order_acq_rel);
+}
+
 void SharedValues::wait_until_returned() {
   auto& returns = header_of(region_)->returns;
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (int w = 0; w < num_workers_; ++w) {
     auto& slot = slot_of(region_, w);
     if (slot.generation.load(std::memory_order_acquire) == 0) continue;
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
     while (true) {
       // Read before the slot: a hand-back between the two changes it, and the sleep returns at once.
       const uint32_t seen = returns.load(std::memory_order_seq_cst);
@@ -125,7 +132,8 @@ std::unique_ptr<MappedValues> MappedValues::open(const RegionOffer& offer, int w
   auto& slot = slot_of(*region, worker);
   slot.pid = ::getpid();
   slot.pid_namespace = pid_namespace();
-  return std::unique_ptr<MappedValues>(new MappedValues(std::move(*region), worker, offer.header_bytes, offer.capacity));
+  return std::unique_ptr<MappedValues>(
+      new MappedValues(std::move(*region), worker, offer.header_bytes, offer.capacity));
 }
 
 bool MappedValues::return_lending(uint64_t generation) {
@@ -138,7 +146,11 @@ bool MappedValues::return_lending(uint64_t generation) {
   return returned;
 }
 
-void MappedValues::hand_back() {
+void MappedValues::hand_back(uint64_t generation) {
+  return_lending(generation);
+}
+
+void MappedValues::hand_back_any() {
   const uint64_t held = slot_of(region_, worker_).generation.load(std::memory_order_acquire);
   if (held != 0) return_lending(held);
 }

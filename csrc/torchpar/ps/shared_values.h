@@ -39,8 +39,11 @@ class SharedValues {
   // Lends the values to `worker` and returns the lending's generation for the reply; 0 when the
   // worker still holds an earlier lending (the caller then answers with a copy).
   uint64_t lend(int worker);
-  // Returns once no worker holds the values (revoking as the header says).
+  // Returns once no worker holds the values (revoking as the header says); `timeout` counts from the
+  // call, for all readers together.
   void wait_until_returned();
+  // Takes back the lending `worker` holds, if any (a reply that failed after lending, a dropped worker).
+  void revoke(int worker);
 
  private:
   MemfdRegion region_;
@@ -66,9 +69,11 @@ class MappedValues {
   // Copies the first `bytes` of the values lent as `generation` into `out` and hands them back. Throws
   // when the lending is not this worker's or was revoked before the copy was complete.
   void read(uint64_t generation, size_t bytes, void* out);
-  // Hands back whatever lending this worker holds, unread (a reply that arrived after its request
-  // expired, or that failed before reaching every value it lends).
-  void hand_back();
+  // Hands back lending `generation` unread (a reply that failed before reaching every value it lends).
+  void hand_back(uint64_t generation);
+  // Hands back whatever lending this worker holds, unread: for a reply that arrived after its request
+  // expired, whose lendings are not known.
+  void hand_back_any();
 
  private:
   MappedValues(MemfdRegion region, int worker, int64_t header_bytes, int64_t capacity)
