@@ -136,7 +136,7 @@ std::unique_ptr<MappedValues> MappedValues::open(const RegionOffer& offer, int w
       new MappedValues(std::move(*region), worker, offer.header_bytes, offer.capacity));
 }
 
-bool MappedValues::return_lending(uint64_t generation) {
+bool MappedValues::hand_back(uint64_t generation) {
   auto& slot = slot_of(region_, worker_);
   // Release: the copy is over before the server, seeing 0, changes the values.
   const bool returned = slot.generation.compare_exchange_strong(generation, 0, std::memory_order_acq_rel);
@@ -146,13 +146,9 @@ bool MappedValues::return_lending(uint64_t generation) {
   return returned;
 }
 
-void MappedValues::hand_back(uint64_t generation) {
-  return_lending(generation);
-}
-
 void MappedValues::hand_back_any() {
   const uint64_t held = slot_of(region_, worker_).generation.load(std::memory_order_acquire);
-  if (held != 0) return_lending(held);
+  if (held != 0) hand_back(held);
 }
 
 void MappedValues::read(uint64_t generation, size_t bytes, void* out) {
@@ -162,7 +158,7 @@ void MappedValues::read(uint64_t generation, size_t bytes, void* out) {
   TORCH_CHECK(held == generation, "torchpar.ps: the server took back the values it lent for this read before they ",
               "were copied (this worker's slot holds lending ", held, ", the reply names ", generation, ")");
   std::memcpy(out, static_cast<const char*>(region_.data()) + header_bytes_, bytes);
-  TORCH_CHECK(return_lending(generation), "torchpar.ps: the server took back the values it lent for this read while ",
+  TORCH_CHECK(hand_back(generation), "torchpar.ps: the server took back the values it lent for this read while ",
               "they were copied (this worker held them longer than the timeout): the read is not consistent, so it ",
               "fails");
 }

@@ -69,8 +69,9 @@ class MappedValues {
   // Copies the first `bytes` of the values lent as `generation` into `out` and hands them back. Throws
   // when the lending is not this worker's or was revoked before the copy was complete.
   void read(uint64_t generation, size_t bytes, void* out);
-  // Hands back lending `generation` unread (a reply that failed before reaching every value it lends).
-  void hand_back(uint64_t generation);
+  // Swaps lending `generation` for 0 in this worker's slot and wakes the server; false when it was
+  // revoked. Also called unread, by a reply that failed before reaching every value it lends.
+  bool hand_back(uint64_t generation);
   // Hands back whatever lending this worker holds, unread: for a reply that arrived after its request
   // expired, whose lendings are not known.
   void hand_back_any();
@@ -78,8 +79,6 @@ class MappedValues {
  private:
   MappedValues(MemfdRegion region, int worker, int64_t header_bytes, int64_t capacity)
       : region_(std::move(region)), worker_(worker), header_bytes_(header_bytes), capacity_(capacity) {}
-  // Swaps `generation` for 0 in this worker's slot and wakes the server; false when it was revoked.
-  bool return_lending(uint64_t generation);
 
   MemfdRegion region_;
   int worker_;
