@@ -324,8 +324,9 @@ void Server::apply_pushes(int worker, const Request& request) {
 }
 
 void Server::answer_reads(int worker, int64_t id, const Request& request) {
-  // The reply views the tables' values (and the rows read): under this server's lock nothing changes
-  // them before reply_ok has sent them, so they are copied once, straight into the channel's ring.
+  // A shard the worker has mapped is lent, not sent. Otherwise the reply views the tables' values (and
+  // the rows read): under this server's lock nothing changes them before reply_ok has sent them, so
+  // they are copied once, straight into the channel's ring.
   WireWriter writer;
   std::vector<at::Tensor> rows_read;
   std::vector<SharedValues*> lent; // taken back if the reply does not go out
