@@ -78,6 +78,41 @@ TEST_CASE("request tracker: only requests past their own deadline expire, naming
                                                          Contains("push of 'b' within 10000 ms"));
 }
 
+TEST_CASE("request tracker: an expired read keeps its late-reply handler until the reply, its server's end or finish") {
+  auto tracker = two_servers();
+  std::vector<std::string> errors;
+  std::vector<int64_t> late;
+  const auto t0 = Clock::now();
+  auto start = [&](int64_t id, int server, bool with_late_handler) {
+    ps::RequestTracker::OnReply on_late;
+    if (with_late_handler) on_late = [&late, id](const ps::Message&) { late.push_back(id); };
+    return tracker.start(
+        id, server, ps::MessageKind::Pull, "pull of 'w'", [](const ps::Message&) { FAIL("answered in time"); },
+        [&errors](const std::string& reason) { errors.push_back(reason); }, t0, on_late);
+  };
+  start(1, 0, true);
+  start(2, 0, false);  // nothing lent: nothing to do late
+  start(3, 1, true);
+  start(4, 0, true);
+  CHECK_FALSE(tracker.late_reply(1));  // in flight: no late reply yet
+  tracker.expire(t0 + milliseconds(15001));
+  CHECK(errors.size() == 4);  // the futures fail at the deadline, handlers or not
+  CHECK_FALSE(tracker.answer(1).has_value());
+  auto handle = tracker.late_reply(1);
+  REQUIRE(handle);
+  handle(ps::Message{});
+  CHECK(late == std::vector<int64_t>{1});
+  CHECK_FALSE(tracker.late_reply(1));  // given out once
+  CHECK_FALSE(tracker.late_reply(2));
+  tracker.server_failed(1, "connection reset by peer");  // its replies never come
+  CHECK_FALSE(tracker.late_reply(3));
+  REQUIRE(tracker.late_reply(4));
+  start(5, 0, true);
+  tracker.expire(t0 + milliseconds(15001));
+  tracker.fail_all("was not answered before this worker finished");
+  CHECK_FALSE(tracker.late_reply(5));
+}
+
 TEST_CASE("request tracker: a failed server fails its requests and refuses later ones, the others go on") {
   auto tracker = two_servers();
   Outcomes outcomes;

@@ -65,11 +65,12 @@ Client::~Client() {
 }
 
 void Client::send_request(int server, MessageKind kind, WireWriter payload, std::string what,
-                          RequestTracker::OnReply on_reply, RequestTracker::OnError on_error) {
+                          RequestTracker::OnReply on_reply, RequestTracker::OnError on_error,
+                          RequestTracker::OnReply on_late_reply) {
   const int64_t id = next_request_++;
   std::lock_guard<std::recursive_mutex> order(send_order_);
   if (requests_.start(id, server, kind, std::move(what), std::move(on_reply), std::move(on_error),
-                      RequestTracker::Clock::now())) {
+                      RequestTracker::Clock::now(), std::move(on_late_reply))) {
     channels_[server]->send(make_message(kind, id, std::move(payload)));
   }
 }
@@ -81,8 +82,16 @@ bool Client::receive(int server, Message&& message) {
   }
   auto request = requests_.answer(message.frame.request_id);
   if (!request) {
-    // Answered after its deadline: its future already failed; values it lends go back unread.
-    if (message.frame.kind == MessageKind::Ok) hand_back_lendings(server);
+    // Answered after its deadline: its future already failed, but the values it lends must go back.
+    auto late_reply = requests_.late_reply(message.frame.request_id);
+    if (late_reply && message.frame.kind == MessageKind::Ok) {
+      try {
+        late_reply(message);
+      } catch (const std::exception& error) {
+        LOG(WARNING) << "torchpar.ps worker " << worker_index_ << ": a late reply of "
+                     << requests_.server_name(server) << " is malformed: " << message_of(error);
+      }
+    }
     return true;
   }
   if (message.frame.kind == MessageKind::Error) {
@@ -152,7 +161,8 @@ Future Client::send_parts(MessageKind kind, std::vector<ServerPart> parts, const
         },
         [reply](const std::string& reason) {
           reply->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(reason)));
-        });
+        },
+        std::move(parts[i].late_reply));
   }
   return future;
 }
@@ -330,9 +340,9 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
     if (items.empty()) continue;
     WireWriter writer;
     encode_dense_items(writer, items, pushing);
-    std::function<void(const Message&)> read_values;
+    std::function<void(const Message&, bool late)> read_values;
     if (reading) {
-      read_values = [outputs, reads](const Message& reply) {
+      read_values = [outputs, reads](const Message& reply, bool late) {
         auto reader = reader_of(reply);
         struct Lent {
           MappedValues* mapped;
@@ -358,7 +368,9 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
               continue;
             }
             const auto* data = reader.get_data(bytes, "values");
-            if (n == output.numel()) {
+            if (late) {
+              continue;
+            } else if (n == output.numel()) {
               // One server holds the whole table: its reply is the tensor, no copy.
               auto payload = reply.payload;
               output = at::from_blob(
@@ -372,6 +384,10 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
           hand_back_from(0);
           throw;
         }
+        if (late) {
+          hand_back_from(0);
+          return;
+        }
         for (size_t k = 0; k < lent.size(); ++k) {
           try {
             lent[k].mapped->read(lent[k].lending, lent[k].bytes, lent[k].destination);
@@ -382,7 +398,12 @@ Future Client::dense_operation(MessageKind kind, const std::vector<int>& tables,
         }
       };
     }
-    parts.push_back({s, std::move(writer), std::move(read_values)});
+    if (reading) {
+      parts.push_back({s, std::move(writer), [read_values](const Message& reply) { read_values(reply, false); },
+                       [read_values](const Message& reply) { read_values(reply, true); }});
+    } else {
+      parts.push_back({s, std::move(writer), nullptr});
+    }
   }
   lock.unlock();
   return send_parts(kind, std::move(parts), what,
@@ -577,7 +598,8 @@ Future Client::send_raw(int server, int64_t kind, const at::Tensor& payload) {
       },
       [future](const std::string& reason) {
         future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(reason)));
-      });
+      },
+      [this, server](const Message&) { hand_back_lendings(server); });
   return future;
 }
 

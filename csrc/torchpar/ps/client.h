@@ -77,17 +77,20 @@ class Client {
     int server;
     WireWriter payload;
     std::function<void(const Message&)> read_reply;
+    // For a reply after the request's deadline (may be empty): what it lends goes back unread.
+    std::function<void(const Message&)> late_reply = {};
   };
 
   void send_request(int server, MessageKind kind, WireWriter payload, std::string what,
-                    RequestTracker::OnReply on_reply, RequestTracker::OnError on_error);
+                    RequestTracker::OnReply on_reply, RequestTracker::OnError on_error,
+                    RequestTracker::OnReply on_late_reply = {});
   // Sends every part; the future completes with result() once all replied, or fails at the first error.
   Future send_parts(MessageKind kind, std::vector<ServerPart> parts, const std::string& what, c10::TypePtr type,
                     std::function<c10::IValue()> result);
   bool receive(int server, Message&& message);
-  // Hands back every lending of server `server`'s values this worker holds, for a reply whose own
-  // lendings are not known (its request expired, or it was a raw one). A later reply already sent may
-  // hold one too: its read then fails rather than wait (the job is already a timeout late).
+  // Hands back every lending of server `server`'s values this worker holds, for a raw request's reply,
+  // whose lendings are not known. A later reply already sent may hold one too: its read then fails
+  // rather than return values that may have changed (raw requests are for testing malformed input).
   void hand_back_lendings(int server);
   void watch_deadlines();
   std::function<void(const Message&)> record_registration(const std::shared_ptr<ClientTable>& table, int s) const;

@@ -16,7 +16,7 @@ std::chrono::milliseconds RequestTracker::deadline_for(MessageKind kind, std::ch
 }
 
 bool RequestTracker::start(int64_t id, int server, MessageKind kind, std::string what, OnReply on_reply,
-                           OnError on_error, Clock::time_point now) {
+                           OnError on_error, Clock::time_point now, OnReply on_late_reply) {
   std::string refusal;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -26,7 +26,7 @@ bool RequestTracker::start(int64_t id, int server, MessageKind kind, std::string
       refusal = "torchpar.ps: " + what + ": " + server_names_[server] + " failed earlier: " + server_failures_[server];
     } else {
       requests_.emplace(id, Request{server, std::move(what), now, deadline_for(kind, timeout_), std::move(on_reply),
-                                    std::move(on_error)});
+                                    std::move(on_error), std::move(on_late_reply)});
       return true;
     }
   }
@@ -43,6 +43,21 @@ std::optional<RequestTracker::Request> RequestTracker::answer(int64_t id) {
   auto request = std::move(it->second);
   requests_.erase(it);
   return request;
+}
+
+RequestTracker::OnReply RequestTracker::late_reply(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = late_replies_.find(id);
+  if (it == late_replies_.end()) {
+    return {};
+  }
+  auto handle = std::move(it->second.handle);
+  late_replies_.erase(it);
+  return handle;
+}
+
+void RequestTracker::forget_late_replies(int server) {
+  std::erase_if(late_replies_, [server](const auto& entry) { return server < 0 || entry.second.server == server; });
 }
 
 std::vector<RequestTracker::Request> RequestTracker::take(const std::function<bool(const Request&)>& which) {
@@ -64,6 +79,7 @@ void RequestTracker::server_failed(int server, const std::string& reason) {
     std::lock_guard<std::mutex> lock(mutex_);
     server_failures_.at(server) = reason;
     failed = take([server](const Request& request) { return request.server == server; });
+    forget_late_replies(server);
   }
   goodbye_or_failure_.notify_all();
   for (auto& request : failed) {
@@ -75,6 +91,7 @@ void RequestTracker::server_said_goodbye(int server) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     said_goodbye_.at(server) = true;
+    forget_late_replies(server);
   }
   goodbye_or_failure_.notify_all();
 }
@@ -83,7 +100,15 @@ void RequestTracker::expire(Clock::time_point now) {
   std::vector<Request> expired;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    expired = take([now](const Request& request) { return now - request.sent > request.deadline; });
+    for (auto it = requests_.begin(); it != requests_.end();) {
+      if (now - it->second.sent > it->second.deadline) {
+        if (it->second.on_late_reply) late_replies_.emplace(it->first, LateReply{it->second.server, it->second.on_late_reply});
+        expired.push_back(std::move(it->second));
+        it = requests_.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
   for (auto& request : expired) {
     request.on_error("torchpar.ps: " + server_names_[request.server] + " did not answer " + request.what +
@@ -119,6 +144,7 @@ void RequestTracker::fail_all(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     unanswered = take([](const Request&) { return true; });
+    forget_late_replies(-1);
   }
   for (auto& request : unanswered) {
     request.on_error("torchpar.ps: " + request.what + " " + reason);

@@ -29,6 +29,9 @@ class RequestTracker {
     std::chrono::milliseconds deadline{0};
     OnReply on_reply;
     OnError on_error;
+    // For a reply that arrives after the request failed past its deadline (may be empty): a read hands
+    // back, unread, the values the server lent it.
+    OnReply on_late_reply;
   };
 
   // server_names: how errors name each server, e.g. "parameter server 0 (rank 3)".
@@ -41,14 +44,17 @@ class RequestTracker {
   // Tracks request `id`; false (after calling on_error with the reason) when it must not be sent:
   // the worker finished, or the server failed earlier.
   bool start(int64_t id, int server, MessageKind kind, std::string what, OnReply on_reply, OnError on_error,
-             Clock::time_point now);
+             Clock::time_point now, OnReply on_late_reply = {});
   // The request a reply answers; none when it is not tracked (it already failed, e.g. past its deadline).
   std::optional<Request> answer(int64_t id);
+  // The late-reply handler of request `id`, which expired with one; empty otherwise. Given out once; kept
+  // until then, or until its server fails or says goodbye, or every request fails.
+  OnReply late_reply(int64_t id);
   // The connection to `server` broke: its requests fail, and later ones are refused.
   void server_failed(int server, const std::string& reason);
   // The server acknowledged this worker's finish.
   void server_said_goodbye(int server);
-  // Fails the requests older than their deadlines at `now`.
+  // Fails the requests older than their deadlines at `now` (keeping their late-reply handlers).
   void expire(Clock::time_point now);
 
   // Marks the worker finished (later requests are refused); false if it already was.
@@ -65,11 +71,18 @@ class RequestTracker {
  private:
   // Removes the requests `which` selects; the caller holds mutex_.
   std::vector<Request> take(const std::function<bool(const Request&)>& which);
+  // Drops the late-reply handlers of `server`'s requests (all servers' when negative); the caller holds mutex_.
+  void forget_late_replies(int server);
 
   const std::vector<std::string> server_names_;
   const std::chrono::milliseconds timeout_;
   mutable std::mutex mutex_;
   std::map<int64_t, Request> requests_;
+  struct LateReply {
+    int server;
+    OnReply handle;
+  };
+  std::map<int64_t, LateReply> late_replies_;
   std::vector<std::string> server_failures_; // non-empty: that server is gone
   std::vector<bool> said_goodbye_;
   bool finished_ = false;
