@@ -90,6 +90,37 @@ TEST_CASE("ps shared values: a reader that holds the values past the timeout los
   CHECK_THROWS_WITH(reader->read(lending, out.nbytes(), out.data_ptr()), Contains("took back"));
 }
 
+TEST_CASE("ps shared values: values taken back while the reader copies them fail that read") {
+  // Large enough that the copy lasts far longer than the timeout, so the server takes the values back
+  // while it runs; the read must then fail, not return what may be half old and half new.
+  constexpr int64_t kLarge = int64_t{32} << 20;  // 128 MiB of floats
+  Revocations revocations;
+  ps::SharedValues values(kLarge, at::kFloat, 1, 1ms, revocations.record());
+  auto reader = map_or_fail(values, 0);
+  auto out = at::empty({kLarge}, at::kFloat);
+  const uint64_t lending = values.lend(0);
+  std::atomic<bool> reading{false};
+  std::string failure;
+  std::thread worker([&] {
+    reading = true;
+    try {
+      reader->read(lending, out.nbytes(), out.data_ptr());
+    } catch (const std::exception& error) {
+      failure = error.what();
+    }
+  });
+  while (!reading) std::this_thread::yield();
+  values.wait_until_returned();  // revokes 1 ms in, the copy still running; an update could follow
+  worker.join();
+  if (revocations.seen.empty()) {
+    // Only if this thread was held off the core until the copy was over.
+    CHECK(failure.empty());
+  } else {
+    CHECK_THAT(revocations.seen[0].second, Contains("within the timeout"));
+    CHECK_THAT(failure, Contains("took back the values it lent for this read"));
+  }
+}
+
 TEST_CASE("ps shared values: a reader whose process died loses its lending at once") {
   Revocations revocations;
   ps::SharedValues values(kNumel, at::kFloat, 2, 60s, revocations.record());
