@@ -8,7 +8,9 @@ joins a Gloo group and an shm group and, per model, builds from the same initial
 
     no-comm       the plain module: the same steps without any communication (the floor)
     torch         torch.nn.parallel.DistributedDataParallel on each backend
-    torchpar      torchpar.DistributedDataParallel on each backend, constructed the same way
+    torchpar      torchpar.DistributedDataParallel on each backend, constructed the same way (given the Gloo
+                  group, it moves the gradients and buffers through an shm group beside it, as it does on
+                  one host by default; TORCHPAR_DDP_SAME_HOST=0 keeps them on Gloo)
 
 Each variant runs the same training step (forward, cross-entropy, backward, SGD step) on the same
 per-rank batch. Variants are timed alternately in the same processes, in several rounds (the order

@@ -5,7 +5,9 @@
 
 #include <torchpar/bindings/bindings.h>
 #include <torchpar/comm/backend_factory.h>
+#include <torchpar/common/memfd_region.h>
 #include <torchpar/comm/core_binding.h>
+#include <torchpar/comm/group_timeout.h>
 #include <torchpar/comm/launch_config.h>
 #include <torchpar/comm/named_process_group.h>
 #include <torchpar/comm/process_group.h>
@@ -59,6 +61,13 @@ void bind_comm(py::module_& module) {
       },
       py::arg("timeout") = py::none(),
       "The timeout init_process_group uses: the argument, else TORCHPAR_TIMEOUT, else 30 min.");
+
+  module.def("host_key", &torchpar::memfd_host_key,
+             "Equal for processes that can share memory through torchpar's memfd regions (same host, same boot).");
+
+  module.def(
+      "group_timeout", [](const c10::intrusive_ptr<c10d::ProcessGroup>& group) { return group_timeout(*group); },
+      py::arg("group"), "How long `group`'s ops wait for a peer (its CPU backend's timeout).");
 
   module.def(
       "check_backend",

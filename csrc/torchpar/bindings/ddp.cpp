@@ -23,7 +23,8 @@ void bind_ddp(py::module_& module) {
                       c10::intrusive_ptr<c10d::ProcessGroup> process_group, double bucket_cap_mb,
                       double first_bucket_cap_mb, std::vector<double> bucket_cap_mb_list, bool find_unused_parameters,
                       bool gradient_as_bucket_view, bool broadcast_buffers, bool static_graph, bool init_sync,
-                      bool init_sync_buffers) {
+                      bool init_sync_buffers,
+                      std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> data_process_group) {
             return std::make_unique<ReplicaCoordinator>(
                 std::move(parameters), std::move(buffers),
                 ddp::DistributedDataParallelOptions()
@@ -36,12 +37,14 @@ void bind_ddp(py::module_& module) {
                     .broadcast_buffers(broadcast_buffers)
                     .static_graph(static_graph)
                     .init_sync(init_sync)
-                    .init_sync_buffers(init_sync_buffers));
+                    .init_sync_buffers(init_sync_buffers)
+                    .data_process_group(data_process_group.value_or(nullptr)));
           }),
           py::arg("parameters"), py::arg("buffers"), py::arg("process_group"), py::arg("bucket_cap_mb"),
           py::arg("first_bucket_cap_mb"), py::arg("bucket_cap_mb_list"), py::arg("find_unused_parameters"),
           py::arg("gradient_as_bucket_view"), py::arg("broadcast_buffers"), py::arg("static_graph"),
-          py::arg("init_sync"), py::arg("init_sync_buffers"), py::call_guard<py::gil_scoped_release>())
+          py::arg("init_sync"), py::arg("init_sync_buffers"), py::arg("data_process_group") = py::none(),
+          py::call_guard<py::gil_scoped_release>())
       .def("pre_forward", &ReplicaCoordinator::pre_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
       .def("post_forward", &ReplicaCoordinator::post_forward, py::arg("outputs"), py::arg("will_sync"),

@@ -13,6 +13,12 @@ namespace torchpar::ddp {
 struct DistributedDataParallelOptions {
   // The group gradients are averaged over (required).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
+  // Where the model's data moves instead (optional): the gradient buckets' all-reduces and the parameters'
+  // and buffers' broadcasts. A group over the same ranks in the same order, e.g. an "shm" group when
+  // process_group is Gloo on one host (Python's DDP makes one itself). The other collectives (the replicas'
+  // check, the used-parameter map, join's votes) stay on process_group; a communication hook gets
+  // process_group too.
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, data_process_group);
   // Gradient bytes per all-reduce (torch's default 25 MiB).
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   // The first bucket is small so that communication starts early in backward (torch: 1 MiB).

@@ -355,7 +355,8 @@ c10::intrusive_ptr<c10::ivalue::Future> Reducer::communicate(size_t bucket_index
     TORCH_CHECK(future, "DistributedDataParallel: the communication hook returned no future for bucket ", bucket_index);
   } else {
     std::vector<at::Tensor> tensors{std::move(buffer)};
-    future = process_group_->allreduce(tensors)->getFuture();
+    const auto& group = options_.data_process_group ? options_.data_process_group : process_group_;
+    future = group->allreduce(tensors)->getFuture();
   }
   if (timeline_) {
     future->addCallback([timeline = timeline_, bucket_index, launched_at](c10::ivalue::Future&) {

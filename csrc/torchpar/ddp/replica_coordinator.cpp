@@ -76,6 +76,13 @@ ReplicaCoordinator::ReplicaCoordinator(
       "group torchpar::init_process_group returned");
   TORCH_CHECK(options_.bucket_cap_mb() > 0, "DistributedDataParallel: bucket_cap_mb must be > 0, got ",
               options_.bucket_cap_mb());
+  if (const auto& data = options_.data_process_group()) {
+    const auto& group = *options_.process_group();
+    TORCH_CHECK(data->getSize() == group.getSize() && data->getRank() == group.getRank(),
+                "DistributedDataParallel: data_process_group must hold the process group's ranks in the same "
+                "order; it has ", data->getSize(), " ranks with this one as rank ", data->getRank(),
+                ", the process group ", group.getSize(), " with this one as rank ", group.getRank());
+  }
   for (double cap : options_.bucket_cap_mb_list()) {
     TORCH_CHECK(cap > 0, "DistributedDataParallel: every entry of bucket_cap_mb_list must be > 0, got ",
                 c10::ArrayRef<double>(options_.bucket_cap_mb_list()));
@@ -109,6 +116,7 @@ ReplicaCoordinator::ReplicaCoordinator(
   reducer_options.find_unused_parameters = options_.find_unused_parameters();
   reducer_options.gradient_as_bucket_view = options_.gradient_as_bucket_view();
   reducer_options.static_graph = options_.static_graph();
+  reducer_options.data_process_group = options_.data_process_group();
   reducer_ = std::make_unique<Reducer>(
       std::move(trainable), std::move(names), options_.process_group(), reducer_options, timeline_, peers_);
 }
@@ -181,7 +189,8 @@ void ReplicaCoordinator::broadcast_state(int source_rank, bool include_parameter
     return;
   }
   at::NoGradGuard no_grad;
-  c10d::broadcast_coalesced(options_.process_group(), tensors, kBroadcastBucketBytes, source_rank);
+  const auto& group = options_.data_process_group() ? options_.data_process_group() : options_.process_group();
+  c10d::broadcast_coalesced(group, tensors, kBroadcastBucketBytes, source_rank);
 }
 
 at::Device ReplicaCoordinator::device() const {

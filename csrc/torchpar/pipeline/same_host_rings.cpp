@@ -3,7 +3,7 @@
 #include <torchpar/common/control_collectives.h>
 #include <torchpar/common/error_message.h>
 #include <torchpar/common/process_state.h>
-#include <torchpar/comm/shm/process_group_shm.h>
+#include <torchpar/comm/group_timeout.h>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
@@ -31,7 +31,6 @@ constexpr int64_t kWrapTag = INT64_MIN;    // the rest of this lap is empty: the
 // compute (ranks may share cores).
 constexpr std::chrono::microseconds kPollEvery{50};
 constexpr std::chrono::milliseconds kLivenessEvery{50};
-constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(30);  // c10d's default
 
 std::exception_ptr size_mismatch(int peer, size_t sent, size_t expected) {
   return std::make_exception_ptr(std::runtime_error(c10::str(
@@ -70,16 +69,6 @@ uint64_t record_bytes(uint64_t data_bytes) {
   return kRecordAlignment + round_up(data_bytes, kRecordAlignment);
 }
 
-std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group) {
-  try {
-    const auto backend = group.getBackend(c10::DeviceType::CPU);
-    if (const auto* shm = dynamic_cast<const comm::shm::ProcessGroupShm*>(backend.get())) return shm->timeout();
-    return backend->getBackendOptions()->timeout;
-  } catch (const std::exception&) {
-    return kDefaultTimeout;  // a backend that does not say
-  }
-}
-
 } // namespace
 
 RingWork::RingWork(SameHostRings* rings, at::Tensor tensor, int peer, int tag, bool sending)
@@ -109,7 +98,7 @@ int64_t SameHostRings::default_ring_bytes() {
 
 std::unique_ptr<SameHostRings> SameHostRings::connect(c10d::ProcessGroup& group, int64_t ring_bytes) {
   const int rank = group.getRank(), ranks = group.getSize();
-  std::unique_ptr<SameHostRings> rings(new SameHostRings(rank, group_timeout(group)));
+  std::unique_ptr<SameHostRings> rings(new SameHostRings(rank, comm::group_timeout(group)));
   std::set<int> neighbours;
   if (ranks > 1) {
     neighbours = {(rank + 1) % ranks, (rank + ranks - 1) % ranks};
