@@ -78,6 +78,18 @@ TEST_CASE("plan: DDP on 2 ranks with a known bucket layout and link cost") {
   CHECK(p.bytes_per_step == 4 * kMiB);  // ring all-reduce: 2 (n - 1) / n of the parameters
 }
 
+TEST_CASE("plan: DDP's buckets take the same-host link where one is measured, the group's all-reduce otherwise") {
+  plan::Configuration ddp;
+  ddp.world = 2;
+  auto beside = network(0.5, 1);
+  // As above, but the buckets go through a same-host group at 0.25 + 1 ms each: 1-2.25 and 2.25-3.5, so
+  // the step is 2 + 3.5; the group's own all-reduce (0.5 + 2 ms) no longer counts.
+  beside.ddp_all_reduce = plan::LinkCost{0.25, 0.5 / kMiB};
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), beside, batch_of(8), ddp).step_ms == Approx(5.5));
+  beside.ddp_all_reduce.reset();
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), beside, batch_of(8), ddp).step_ms == Approx(8));
+}
+
 TEST_CASE("plan: DDP copies gradients into buckets and back, and without overlap all-reduces after backward") {
   plan::Configuration ddp;
   ddp.world = 2;

@@ -56,6 +56,7 @@ NetworkProfile under_load(const NetworkProfile& network, const Calibration& cali
   };
   for (LinkCost* link : {&loaded.all_reduce, &loaded.send_recv, &loaded.all_gather, &loaded.reduce_scatter}) slow(*link);
   if (loaded.stage_transfer) slow(*loaded.stage_transfer);
+  if (loaded.ddp_all_reduce) slow(*loaded.ddp_all_reduce);
   return loaded;
 }
 
@@ -267,7 +268,7 @@ Prediction predict_data_parallel(const ModelProfile& model, const NetworkProfile
   // averaged bucket back into the gradients once the all-reduces are done.
   const double copy_ms_per_byte = world > 1 ? network.copy.ms_per_byte : 0.0;
   const auto step = overlapped_step(model, samples, caps, calibration, copy_ms_per_byte, [&](double bytes) {
-    return world > 1 ? network.all_reduce.milliseconds(bytes) : 0.0;
+    return world > 1 ? network.ddp_link().milliseconds(bytes) : 0.0;
   });
   Prediction prediction;
   prediction.configuration = configuration;

@@ -72,6 +72,10 @@ struct NetworkProfile {
   // one host through the pipeline's shared-memory rings (pipeline/same_host_rings.h). Unset: send_recv.
   std::optional<LinkCost> stage_transfer;
   const LinkCost& stage_link() const { return stage_transfer ? *stage_transfer : send_recv; }
+  // DDP's bucket all-reduce, where it does not go through the group: beside a Gloo group of one host, through
+  // an shm group over the same ranks (ddp.md). Unset: all_reduce.
+  std::optional<LinkCost> ddp_all_reduce;
+  const LinkCost& ddp_link() const { return ddp_all_reduce ? *ddp_all_reduce : all_reduce; }
   // Every rank on one host: the parameter server's payloads up to this many bytes go through its
   // shared-memory rings (ps/payload_ring.h: a Gloo frame, a copy in and a copy out); 0: through Gloo.
   int64_t ps_ring_bytes = 0;

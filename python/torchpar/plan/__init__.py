@@ -18,9 +18,11 @@ from __future__ import annotations
 import copy
 from typing import Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from torchpar._C import plan as _engine
+from torchpar.ddp import _same_host_data_group
 from torchpar.plan.calibration import Calibration, default_calibration, learn as learn_calibration, load_calibration
 from torchpar.plan.embeddings import sparse_tables
 from torchpar.plan.model import OPTIMIZER_STATE, Model, load_model
@@ -72,8 +74,14 @@ def measure_model_pass(model: Model, batch: int, group: Optional[dist.ProcessGro
 def measure_network(group: Optional[dist.ProcessGroup] = None,
                     sizes_bytes: Sequence[int] = (4 << 10, 64 << 10, 256 << 10, 4 << 20), repeats: int = 25):
     """α + β · bytes of all-reduce, all-gather, reduce-scatter and a transfer between two ranks over `group`,
-    and of a memory copy on every rank at once (every rank calls it)."""
-    return _engine.measure_network(group if group is not None else dist.group.WORLD, list(sizes_bytes), repeats)
+    and of a memory copy on every rank at once (every rank calls it); and of DDP's bucket all-reduce where it
+    goes through a same-host shm group beside `group` (``ddp_all_reduce``)."""
+    group = group if group is not None else dist.group.WORLD
+    network = _engine.measure_network(group, list(sizes_bytes), repeats)
+    data_group = _same_host_data_group(group, torch.device("cpu"))
+    if data_group is not None:
+        network.ddp_all_reduce = _engine.measure_network(data_group, list(sizes_bytes), repeats).all_reduce
+    return network
 
 
 def plan(model: Model, model_profile, network, *, batch: int, world: int, memory_per_rank: int = 0,

@@ -91,10 +91,11 @@ def _link_from(values) -> object:
 
 
 def network_fields(network) -> dict:
-    """A NetworkProfile's measured links as JSON fields, [α ms, β ms per byte] each (stage_transfer only where the
-    pipeline's transfers do not go through the group)."""
+    """A NetworkProfile's measured links as JSON fields, [α ms, β ms per byte] each (stage_transfer and
+    ddp_all_reduce only where the pipeline's transfers and DDP's buckets do not go through the group)."""
     return {name: _link(getattr(network, name))
-            for name in ("all_reduce", "send_recv", "copy", "all_gather", "reduce_scatter", "stage_transfer")
+            for name in ("all_reduce", "send_recv", "copy", "all_gather", "reduce_scatter", "stage_transfer",
+                         "ddp_all_reduce")
             if getattr(network, name) is not None}
 
 
@@ -153,7 +154,7 @@ def sample_from_json(fields: dict):
     sample.model = model
     network = _engine.NetworkProfile()
     # Samples kept before the pipeline's rings existed have no stage_transfer: their pipelines sent through
-    # the group (send_recv).
+    # the group (send_recv); before DDP's same-host group, no ddp_all_reduce (all_reduce).
     for name, values in fields["network"].items():
         setattr(network, name, _link_from(values))
     # Samples kept before the rings existed measured the parameter server through Gloo alone.

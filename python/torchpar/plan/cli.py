@@ -196,12 +196,15 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                               calibration=calibration)
         described = lambda link: f"{link.alpha_ms:.3f} ms + {link.ms_per_byte * 2**20:.3f} ms/MiB"
         logger.info("all-reduce %s, all-gather %s, reduce-scatter %s, transfer %s (%s, %d ranks), between "
-                    "stages %s, copy %.3f ms/MiB; %s",
+                    "stages %s, DDP's buckets %s, copy %.3f ms/MiB; %s",
                     *map(described, (network.all_reduce, network.all_gather, network.reduce_scatter,
                                      network.send_recv)),
                     args.backend, world,
                     "through the group" if network.stage_transfer is None else
-                    "through same-host rings " + described(network.stage_transfer), network.copy.ms_per_byte * 2**20,
+                    "through same-host rings " + described(network.stage_transfer),
+                    "through the group" if network.ddp_all_reduce is None else
+                    "through a same-host shm group " + described(network.ddp_all_reduce),
+                    network.copy.ms_per_byte * 2**20,
                     ("calibration from earlier --verify runs: " if learned else "default calibration: ") +
                     describe_calibration(calibration))
         print(planner.render_table(result), flush=True)
