@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import warnings
 from typing import Any, Iterator
 
@@ -25,6 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _C
+from .same_host import shm_group_beside
 
 logger = logging.getLogger("torchpar.ddp")
 
@@ -88,35 +88,6 @@ def _resolve_process_group(process_group: dist.ProcessGroup | None, device_mesh:
             "torchpar.init_process_group() first"
         )
     return dist.distributed_c10d._get_default_group()
-
-
-# The shm groups carrying the models' data, one per Gloo group (reused by every model wrapped over it).
-_GRADIENT_GROUPS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
-
-
-def _same_host_data_group(process_group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | None:
-    """An "shm" group over ``process_group``'s ranks for the model's data (the gradient buckets' all-reduces,
-    the buffers' and parameters' broadcasts) when ``process_group`` is Gloo with all its ranks on this host
-    (CPU parameters only); None otherwise, or when ``TORCHPAR_DDP_SAME_HOST=0``. torchpar's pipeline and
-    parameter server move same-host data through shared memory beside a Gloo group the same way.
-    Collective over ``process_group``."""
-    if os.environ.get("TORCHPAR_DDP_SAME_HOST", "1") == "0" or device.type != "cpu" or process_group.size() < 2:
-        return None
-    if dist.get_backend(process_group) != "gloo":
-        return None
-    cached = _GRADIENT_GROUPS.get(process_group)
-    if cached is not None and cached in dist.distributed_c10d._world.pg_map:
-        return cached
-    hosts: list[Any] = [None] * process_group.size()
-    dist.all_gather_object(hosts, _C.host_key(), group=process_group)
-    if len(set(hosts)) != 1:
-        return None
-    group = dist.new_group(dist.get_process_group_ranks(process_group), timeout=_C.group_timeout(process_group),
-                           backend="shm", use_local_synchronization=True)
-    _GRADIENT_GROUPS[process_group] = group
-    logger.debug("gradients and buffers go through a same-host shm group beside Gloo group %s",
-                 dist.distributed_c10d._get_process_group_name(process_group))
-    return group
 
 
 class _DDPJoinHook(JoinHook):
@@ -265,7 +236,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self.bucket_cap_mb_list = list(bucket_cap_mb_list or [])
         self._divide_by_initial_world_size = True
-        self._data_group = _same_host_data_group(self.process_group, self.device)
+        self._data_group = shm_group_beside(self.process_group, self.device)
         self._coordinator = self._build_coordinator(init_sync=init_sync, init_sync_buffers=init_sync_buffers)
         if self._coordinator.timeline_path:
             logger.info("writing the DDP timeline to %s", self._coordinator.timeline_path)

@@ -101,3 +101,72 @@ def mismatched_data_group(rank, world):
 
 def test_data_group_of_other_rank_order_is_refused():
     run_on_ranks(2, mismatched_data_group)
+
+
+def ddp_on_a_subgroup_then_a_group_of_all(rank, world):
+    subgroup = dist.new_group([0, 1])
+    if rank < 2:  # only the subgroup's ranks wrap a model; they alone make its shm group
+        ddp = torchpar.DistributedDataParallel(make_model("mlp"), process_group=subgroup)
+        assert dist.get_backend(ddp._data_group) == "shm"
+    everyone = dist.new_group(list(range(world)))
+    total = torch.ones(1)
+    dist.all_reduce(total, group=everyone)
+    return total.item()
+
+
+def test_a_subgroups_shm_group_leaves_later_groups_of_all_ranks_alike():
+    # dist.new_group numbers groups by a per-rank count: an shm group made through it on ranks 0 and 1 only
+    # would give the next group of all four ranks different names, and its rendezvous would hang.
+    assert run_on_ranks(4, ddp_on_a_subgroup_then_a_group_of_all, deadline_s=60) == [4.0] * 4
+
+
+def builtin_hook_ops(rank, world, hook_name):
+    model = make_model("mlp")
+    reference = copy.deepcopy(model)
+    ddp = torchpar.DistributedDataParallel(model, bucket_cap_mb=1e-9)
+    if hook_name == "powerSGD":
+        ddp.register_comm_hook(torchpar.ddp.PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=2),
+                               torchpar.ddp.powerSGD_hook)
+    else:
+        # The DDP's own group named as the state means the same ranks: the hook goes through shm all the same.
+        state = dist.group.WORLD if hook_name == "fp16-given-group" else None
+        ddp.register_comm_hook(state, torchpar.ddp.fp16_compress_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.2)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
+    counts = []
+    for batch in global_batches("mlp", 3, world, PER_RANK):
+        before = shm_ops(ddp._data_group)
+        train_step_beside_reference(ddp, optimizer, reference, reference_optimizer, batch, rank, world)
+        counts.append(shm_ops(ddp._data_group) - before)
+    return counts, len(ddp.bucket_indices()), max_difference(model, reference)
+
+
+@pytest.mark.parametrize("hook_name", ["fp16", "fp16-given-group", "powerSGD"])
+def test_builtin_comm_hooks_on_a_gloo_group_go_through_shm(hook_name):
+    for counts, buckets, difference in run_on_ranks(2, builtin_hook_ops, hook_name):
+        assert buckets == 6  # one parameter each: 3 weight matrices, 3 bias vectors
+        if hook_name == "powerSGD":
+            # Plain all-reduces for its first 2 iterations; then P and Q for each matrix, one for each vector.
+            assert counts == [6, 6, 9], counts
+            assert difference < 0.05, difference
+        else:
+            assert counts == [6, 6, 6], counts
+            assert 0 < difference < 2e-3, difference  # fp16: near, never exact
+
+
+def ddp_over_a_grid_group(rank, world):
+    grid = torchpar.ParallelGrid(data=world, backend="gloo")  # its groups are made in C++, unknown to dist
+    model = make_model("mlp")
+    reference = copy.deepcopy(model)
+    ddp = torchpar.DistributedDataParallel(model, process_group=grid.data_group)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.2)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
+    for batch in global_batches("mlp", STEPS, world, PER_RANK):
+        train_step_beside_reference(ddp, optimizer, reference, reference_optimizer, batch, rank, world)
+    return ddp._data_group, max_difference(model, reference)
+
+
+def test_a_group_made_in_cpp_keeps_its_own_transport():
+    for data_group, difference in run_on_ranks(2, ddp_over_a_grid_group):
+        assert data_group is None
+        assert difference < 1e-5, difference

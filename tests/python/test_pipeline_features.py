@@ -4,12 +4,14 @@ import copy
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipeline_reference import assert_matches_reference, batch, deep_mlp, reference_gradients
 from rank_harness import run_on_ranks
 
 import torchpar.pipeline
+import torchpar.same_host
 
 WIDTH, CLASSES = 8, 3
 
@@ -94,14 +96,21 @@ def train_hybrid(rank, world):
     expected_loss, expected_grads = reference_gradients(model, inputs, target)
     half_loss, _ = reference_gradients(model, inputs[replica * 8:(replica + 1) * 8], target[replica * 8:(replica + 1) * 8])
     share = slice(replica * 8, (replica + 1) * 8)
+    # The replicas share this host: their gradient averages go through an shm group beside the Gloo one.
+    shm_group = torchpar.same_host.shm_group_beside(data_parallel_group, torch.device("cpu"))
+    assert dist.get_backend(shm_group) == "shm"
+    ops_before = shm_group._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
     loss = pipe.step(inputs[share], target[share])
+    averages = shm_group._get_backend(torch.device("cpu"))._get_sequence_number_for_group() - ops_before
     # Each replica's loss is its own half's; the gradients are the whole batch's once averaged.
     assert_matches_reference(pipe, model, loss, half_loss, expected_grads)
-    return pipe.stages
+    return pipe.stages, averages
 
 
 def test_two_replicas_of_two_stages_equal_single_process_training():
-    assert run_on_ranks(4, train_hybrid, deadline_s=120) == [[0], [1], [0], [1]]
+    results = run_on_ranks(4, train_hybrid, deadline_s=120)
+    assert [stages for stages, _ in results] == [[0], [1], [0], [1]]
+    assert all(averages == 1 for _, averages in results), results  # each stage's gradients: one bucket
 
 
 class NoisyMlp(nn.Sequential):

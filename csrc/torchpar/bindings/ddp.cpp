@@ -66,10 +66,7 @@ void bind_ddp(py::module_& module) {
           "register_builtin_comm_hook",
           [](ReplicaCoordinator& self, const std::string& name,
              c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
-            if (!process_group) {
-              process_group = self.process_group();
-            }
-            self.register_comm_hook(ddp::builtin_comm_hook(name, std::move(process_group)));
+            self.register_comm_hook(ddp::builtin_comm_hook(name, self.comm_hook_group(std::move(process_group))));
           },
           py::arg("name"), py::arg("process_group"))
       .def(
@@ -78,7 +75,7 @@ void bind_ddp(py::module_& module) {
              int64_t matrix_approximation_rank, int64_t start_powerSGD_iter, double min_compression_rate,
              bool use_error_feedback, bool warm_start, uint64_t seed) {
             self.register_comm_hook(std::make_unique<ddp::PowerSGDHook>(
-                process_group ? std::move(process_group) : self.process_group(),
+                self.comm_hook_group(std::move(process_group)),
                 ddp::PowerSGDOptions()
                     .matrix_approximation_rank(matrix_approximation_rank)
                     .start_powerSGD_iter(start_powerSGD_iter)

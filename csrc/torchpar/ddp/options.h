@@ -16,8 +16,8 @@ struct DistributedDataParallelOptions {
   // Where the model's data moves instead (optional): the gradient buckets' all-reduces and the parameters'
   // and buffers' broadcasts. A group over the same ranks in the same order, e.g. an "shm" group when
   // process_group is Gloo on one host (Python's DDP makes one itself). The other collectives (the replicas'
-  // check, the used-parameter map, join's votes) stay on process_group; a communication hook gets
-  // process_group too.
+  // check, the used-parameter map, join's votes) stay on process_group; a communication hook uses the group
+  // it was made with (Python's built-in hooks given no group, or process_group: this one).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, data_process_group);
   // Gradient bytes per all-reduce (torch's default 25 MiB).
   TORCH_ARG(double, bucket_cap_mb) = 25.0;

@@ -40,7 +40,7 @@ Reducer::Reducer(
       options_(options),
       timeline_(std::move(timeline)),
       peers_(std::move(peers)) {
-  TORCH_CHECK(process_group_, "DistributedDataParallel: no process group given");
+  TORCH_CHECK(process_group_ && options_.data_process_group, "DistributedDataParallel: no process group given");
   TORCH_CHECK(!parameters_.empty(), "DistributedDataParallel: the module has no parameters that require grad");
   TORCH_CHECK(
       names_.size() == parameters_.size(), "DistributedDataParallel: ", parameters_.size(), " parameters but ",
@@ -355,8 +355,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Reducer::communicate(size_t bucket_index
     TORCH_CHECK(future, "DistributedDataParallel: the communication hook returned no future for bucket ", bucket_index);
   } else {
     std::vector<at::Tensor> tensors{std::move(buffer)};
-    const auto& group = options_.data_process_group ? options_.data_process_group : process_group_;
-    future = group->allreduce(tensors)->getFuture();
+    future = options_.data_process_group->allreduce(tensors)->getFuture();
   }
   if (timeline_) {
     future->addCallback([timeline = timeline_, bucket_index, launched_at](c10::ivalue::Future&) {

@@ -36,8 +36,8 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
-  // Carries the buckets' all-reduces when set (the same ranks as the process group); see
-  // DistributedDataParallelOptions::data_process_group.
+  // Carries the buckets' all-reduces: the process group itself, or a group of the same ranks beside it
+  // (DistributedDataParallelOptions::data_process_group).
   c10::intrusive_ptr<c10d::ProcessGroup> data_process_group;
 };
 

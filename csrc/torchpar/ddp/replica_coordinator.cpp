@@ -76,7 +76,10 @@ ReplicaCoordinator::ReplicaCoordinator(
       "group torchpar::init_process_group returned");
   TORCH_CHECK(options_.bucket_cap_mb() > 0, "DistributedDataParallel: bucket_cap_mb must be > 0, got ",
               options_.bucket_cap_mb());
-  if (const auto& data = options_.data_process_group()) {
+  if (!options_.data_process_group()) {
+    options_.data_process_group(options_.process_group());
+  } else {
+    const auto& data = options_.data_process_group();
     const auto& group = *options_.process_group();
     TORCH_CHECK(data->getSize() == group.getSize() && data->getRank() == group.getRank(),
                 "DistributedDataParallel: data_process_group must hold the process group's ranks in the same "
@@ -189,8 +192,7 @@ void ReplicaCoordinator::broadcast_state(int source_rank, bool include_parameter
     return;
   }
   at::NoGradGuard no_grad;
-  const auto& group = options_.data_process_group() ? options_.data_process_group() : options_.process_group();
-  c10d::broadcast_coalesced(group, tensors, kBroadcastBucketBytes, source_rank);
+  c10d::broadcast_coalesced(options_.data_process_group(), tensors, kBroadcastBucketBytes, source_rank);
 }
 
 at::Device ReplicaCoordinator::device() const {
@@ -330,6 +332,14 @@ void ReplicaCoordinator::synchronise_final_model() {
 void ReplicaCoordinator::set_static_graph() {
   options_.static_graph(true);
   reducer_->set_static_graph();
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> ReplicaCoordinator::comm_hook_group(
+    c10::intrusive_ptr<c10d::ProcessGroup> requested) const {
+  if (!requested || requested == options_.process_group()) {
+    return options_.data_process_group();
+  }
+  return requested;
 }
 
 void ReplicaCoordinator::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {

@@ -64,6 +64,9 @@ class ReplicaCoordinator {
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
   Reducer& reducer() { return *reducer_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return options_.process_group(); }
+  // The group a built-in communication hook given `requested` all-reduces over: the data group when
+  // `requested` is null or the process group (the same ranks), else `requested`.
+  c10::intrusive_ptr<c10d::ProcessGroup> comm_hook_group(c10::intrusive_ptr<c10d::ProcessGroup> requested) const;
   const std::shared_ptr<Timeline>& timeline() const { return timeline_; }
 
  private:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpar._C import pipeline as _engine
+from torchpar.same_host import shm_group_beside
 
 logger = logging.getLogger("torchpar.pipeline")
 
@@ -82,7 +83,8 @@ class Pipeline:
             ``"parameters"``, or ``"time"`` (each layer's forward+backward measured on
             ``sample_input``, one micro-batch, then the partition minimising the slowest stage).
         data_parallel_group: pipeline x data parallelism: the ranks holding the same stages in the
-            other replicas; their gradients are averaged at the end of each step (see ``hybrid_groups``).
+            other replicas; their gradients are averaged at the end of each step (see ``hybrid_groups``),
+            through an shm group beside it when it is Gloo on one host (``TORCHPAR_DDP_SAME_HOST=0``: not).
         checkpoint: recompute each stage's forward in backward instead of keeping its activations.
         loss_on: ``"all"`` (every rank gets the loss) or ``"last"`` (only the last stage's rank;
             ``None`` elsewhere, no broadcast).
@@ -127,6 +129,9 @@ class Pipeline:
         balance_by = balance if isinstance(balance, str) else "uniform"
         samples = [] if sample_input is None else _as_tensors(sample_input)
         group = process_group if process_group is not None else dist.group.WORLD
+        if data_parallel_group is not None:
+            # The replicas' gradient averages are bulk data: through shared memory when they share this host.
+            data_parallel_group = shm_group_beside(data_parallel_group, torch.device("cpu")) or data_parallel_group
         self._engine = _engine.Pipeline(
             [factory(i) for i in range(len(specs))],
             lambda outputs, target: loss_fn(outputs[0] if len(outputs) == 1 else tuple(outputs), target),

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar._C import plan as _engine
-from torchpar.ddp import _same_host_data_group
+from torchpar.same_host import shm_group_beside
 from torchpar.plan.calibration import Calibration, default_calibration, learn as learn_calibration, load_calibration
 from torchpar.plan.embeddings import sparse_tables
 from torchpar.plan.model import OPTIMIZER_STATE, Model, load_model
@@ -78,7 +78,7 @@ def measure_network(group: Optional[dist.ProcessGroup] = None,
     goes through a same-host shm group beside `group` (``ddp_all_reduce``)."""
     group = group if group is not None else dist.group.WORLD
     network = _engine.measure_network(group, list(sizes_bytes), repeats)
-    data_group = _same_host_data_group(group, torch.device("cpu"))
+    data_group = shm_group_beside(group, torch.device("cpu"))
     if data_group is not None:
         network.ddp_all_reduce = _engine.measure_network(data_group, list(sizes_bytes), repeats).all_reduce
     return network
