@@ -1,6 +1,6 @@
 // ps/shared_values: a server's values lent in place to same-host readers, both sides in this process
 // (the reader maps the region through /proc/self's descriptor, as a worker on the host would), and a
-// reader in a forked process that dies holding them.
+// reader in a forked process that dies or stops holding them.
 #include "catch_with_torch.h"
 
 #include <torchpar/ps/shared_values.h>
@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
 
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -140,6 +141,33 @@ TEST_CASE("ps shared values: a reader whose process died loses its lending at on
   REQUIRE(revocations.seen.size() == 1);
   CHECK(revocations.seen[0].first == 1);
   CHECK_THAT(revocations.seen[0].second, Contains("exited"));
+}
+
+TEST_CASE("ps shared values: a reader whose process is stopped loses its lending after half a second") {
+  Revocations revocations;
+  ps::SharedValues values(kNumel, at::kFloat, 2, 60s, revocations.record());
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    std::string why_not;
+    if (!ps::MappedValues::open(values.offer(), 1, &why_not)) ::_exit(1);  // claims slot 1
+    ::raise(SIGSTOP);  // as a debugger or a frozen job would leave it
+    ::_exit(0);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, WUNTRACED) == child);
+  REQUIRE(WIFSTOPPED(status));
+  REQUIRE(values.lend(1) != 0);
+  const auto started = std::chrono::steady_clock::now();
+  values.wait_until_returned();
+  const auto waited = std::chrono::steady_clock::now() - started;
+  ::kill(child, SIGKILL);
+  ::waitpid(child, &status, 0);
+  CHECK(waited >= 400ms);  // the grace: a stop of a moment (a debugger's step) keeps the lending
+  CHECK(waited < 10s);     // not the 60 s timeout
+  REQUIRE(revocations.seen.size() == 1);
+  CHECK(revocations.seen[0].first == 1);
+  CHECK_THAT(revocations.seen[0].second, Contains("stopped"));
 }
 
 TEST_CASE("ps shared values: a reader on another host, or past the server's slots, is declined") {

@@ -18,6 +18,9 @@ namespace {
 constexpr int64_t kCacheLine = 64;
 // Between two looks at a reader that has not handed the values back: is its process still there?
 constexpr std::chrono::milliseconds kCheckEvery{10};
+// How long a reader whose process is stopped (SIGSTOP, a debugger) keeps its lending: every other worker's
+// request waits behind the server meanwhile, and a stopped process copies nothing.
+constexpr std::chrono::milliseconds kStoppedGrace{500};
 
 struct ValuesHeader {
   RegionStamp stamp;
@@ -96,16 +99,28 @@ void SharedValues::wait_until_returned() {
   for (int w = 0; w < num_workers_; ++w) {
     auto& slot = slot_of(region_, w);
     if (slot.generation.load(std::memory_order_acquire) == 0) continue;
+    constexpr auto kNotStopped = std::chrono::steady_clock::time_point::max();
+    auto stopped_since = kNotStopped;
     while (true) {
       // Read before the slot: a hand-back between the two changes it, and the sleep returns at once.
       const uint32_t seen = returns.load(std::memory_order_seq_cst);
       uint64_t held = slot.generation.load(std::memory_order_seq_cst);
       if (held == 0) break;
       const auto now = std::chrono::steady_clock::now();
+      const auto state = slot.pid != 0 && slot.pid_namespace == pid_namespace()
+                             ? process_state(static_cast<int>(slot.pid))
+                             : ProcessState::Running;
+      if (state != ProcessState::Stopped) {
+        stopped_since = kNotStopped;
+      } else if (stopped_since == kNotStopped) {
+        stopped_since = now;
+      }
       std::string why;
-      if (slot.pid != 0 && slot.pid_namespace == pid_namespace() &&
-          process_state(static_cast<int>(slot.pid)) == ProcessState::Exited) {
+      if (state == ProcessState::Exited) {
         why = "its process exited while it read them";
+      } else if (state == ProcessState::Stopped && now - stopped_since >= kStoppedGrace) {
+        why = "its process was stopped (SIGSTOP or a debugger) for " + std::to_string(kStoppedGrace.count()) +
+              " ms while it held them";
       } else if (now >= deadline) {
         why = "it did not finish reading them within the timeout (" + std::to_string(timeout_.count()) + " ms)";
       }

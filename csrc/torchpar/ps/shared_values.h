@@ -2,8 +2,9 @@
 // A dense shard's values in memory that the workers on the server's host map, so that a read is
 // answered without copying the values into the reply: the server lends them to the reading worker,
 // which copies them straight out of the table, then hands them back. The server changes values only
-// once every reader has handed them back — or died (its lending is revoked at once), or held them past
-// the timeout (revoked then, and that read fails rather than return values changed under it).
+// once every reader has handed them back — or died (its lending is revoked at once), or was stopped
+// (SIGSTOP, a debugger) for half a second, or held them past the timeout (revoked then, and that read
+// fails rather than return values changed under it).
 //
 // Each worker has a slot in the region's header: the generation of the lending it holds (0: none). A
 // lending is a fresh generation stored there; the worker hands it back by swapping it for 0, which it
