@@ -93,6 +93,15 @@ def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
     # of an embedding's sparse rows).
     assert report["probe_samples"] == 5
     assert len(kept["samples"]) == len(report["verified"]) + 5 == report["calibration_samples"]
+    # DDP's buckets go through the same-host shm group beside Gloo, and are costed so; the DDP probe that fits
+    # the group's collectives under load (communication x) all-reduces through the group itself, and its sample
+    # says so (fitted to the shm group's all-reduce, too cheap to tell a scale from, it ran into its bound).
+    assert "ddp_all_reduce" in report["network"], output
+    ddp_samples = [sample for sample in kept["samples"] if sample["configuration"]["strategy"] == "ddp"]
+    probe = [sample for sample in ddp_samples if len(sample["layers"]) == 4]
+    verified = [sample for sample in ddp_samples if len(sample["layers"]) != 4]
+    assert len(probe) == 1 and "ddp_all_reduce" not in probe[0]["network"], ddp_samples
+    assert verified and all("ddp_all_reduce" in sample["network"] for sample in verified)
     again_report, again = plan(tmp_path, "digits_mlp", "--batch", 64, "--world", 2, "--verify", 1, "--steps", 2)
     assert "calibration from earlier --verify runs" in again
     assert again_report["calibration"] == report["learned_calibration"]

@@ -13,6 +13,8 @@ those values under which the cost model reproduces their steps.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Callable
 
 import torch
@@ -30,6 +32,7 @@ _DATA_PARALLEL_SAMPLES = 16  # per rank
 # paid) read a pipeline probe 4.8-8.7 and 4.9-10.8 ms in six runs in a row, of 60 after 10, 4.6-5.8 and 5.1-8.3.
 _PROBE_STEPS = 60
 _DATA_PARALLEL_PROBE_STEPS = 20  # of ~10-40 ms
+_SAME_HOST_VARIABLE = "TORCHPAR_DDP_SAME_HOST"
 
 
 def _linear_model(layers: int, width: int) -> Model:
@@ -42,6 +45,28 @@ def _embedding_model(rows: int, dim: int, ids_per_sample: int) -> Model:
     return Model(layers=[nn.EmbeddingBag(rows, dim, mode="mean"), nn.Linear(dim, dim)],
                  sample=lambda batch: (torch.randint(0, rows, (batch, ids_per_sample)), torch.randn(batch, dim)),
                  loss=nn.functional.mse_loss, optimizer="adam")
+
+
+@contextlib.contextmanager
+def _ddp_through_the_group():
+    """DDP made inside keeps its buckets on the process group (TORCHPAR_DDP_SAME_HOST=0, ddp.md)."""
+    before = os.environ.get(_SAME_HOST_VARIABLE)
+    os.environ[_SAME_HOST_VARIABLE] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[_SAME_HOST_VARIABLE]
+        else:
+            os.environ[_SAME_HOST_VARIABLE] = before
+
+
+def _through_the_group(network):
+    """`network` with DDP's buckets costed at the group's all-reduce."""
+    group_only = _engine.NetworkProfile()
+    for name in ("all_reduce", "send_recv", "copy", "all_gather", "reduce_scatter", "stage_transfer", "ps_ring_bytes"):
+        setattr(group_only, name, getattr(network, name))
+    return group_only
 
 
 def _solve(predicted_ms: Callable[[float], float], measured_ms: float, largest: float) -> float:
@@ -98,11 +123,15 @@ def measure_host_overheads(calibration, network, control, backend: str) -> list:
     common = dict(world=world, replicas=1, tensor=1, schedule="1f1b", microbatches=_MICROBATCHES, virtual_stages=1,
                   balance=[], servers=0, synchronous=True)
     # Collectives cost more while the ranks compute (and, with more ranks than cores, wait for the scheduler)
-    # than the probes of an otherwise idle process group measured.
-    calibration.communication_scale = _fitted(_linear_model(4, 512), dict(common, strategy="ddp"),
-                                              world * _DATA_PARALLEL_SAMPLES, network, calibration,
-                                              "communication_scale", control, backend, samples,
-                                              steps=_DATA_PARALLEL_PROBE_STEPS)
+    # than the probes of an otherwise idle process group measured. The scale is the group's: the probe's DDP
+    # all-reduces through the group itself, not through the same-host shm group it would take beside Gloo,
+    # whose all-reduce is too cheap to tell a scale from (fitted to it, the scale ran into its bound of 4 and
+    # tensor parallelism's all-reduces on Gloo were predicted 1.5-2x too slow).
+    with _ddp_through_the_group():
+        calibration.communication_scale = _fitted(_linear_model(4, 512), dict(common, strategy="ddp"),
+                                                  world * _DATA_PARALLEL_SAMPLES, _through_the_group(network),
+                                                  calibration, "communication_scale", control, backend, samples,
+                                                  steps=_DATA_PARALLEL_PROBE_STEPS)
     calibration.per_action_ms = _fitted(_linear_model(world, 8), dict(common, strategy="pipeline",
                                                                       balance=[1] * world),
                                         _MICROBATCHES * _SAMPLES, network, calibration, "per_action_ms", control,
