@@ -42,6 +42,33 @@ std::unique_ptr<ps::MappedValues> map_or_fail(const ps::SharedValues& values, in
   return mapped;
 }
 
+// A forked process that maps `values` as reader 1, then does `then` (exits, stops itself).
+pid_t reader_in_a_child(const ps::SharedValues& values, void (*then)()) {
+  const pid_t child = ::fork();
+  if (child == 0) {
+    std::string why_not;
+    if (!ps::MappedValues::open(values.offer(), 1, &why_not)) ::_exit(1);
+    then();
+    ::_exit(0);
+  }
+  REQUIRE(child >= 0);
+  return child;
+}
+
+// Lends the values to reader 1 and waits until the server may change them again: how long that took.
+std::chrono::steady_clock::duration lend_to_the_child_and_take_back(ps::SharedValues& values) {
+  REQUIRE(values.lend(1) != 0);
+  const auto started = std::chrono::steady_clock::now();
+  values.wait_until_returned();
+  return std::chrono::steady_clock::now() - started;
+}
+
+void check_the_child_lost_it(const Revocations& revocations, const std::string& because) {
+  REQUIRE(revocations.seen.size() == 1);
+  CHECK(revocations.seen[0].first == 1);
+  CHECK_THAT(revocations.seen[0].second, Contains(because));
+}
+
 } // namespace
 
 TEST_CASE("ps shared values: a lent read copies the values and hands them back, and changes wait for that") {
@@ -125,49 +152,27 @@ TEST_CASE("ps shared values: values taken back while the reader copies them fail
 TEST_CASE("ps shared values: a reader whose process died loses its lending at once") {
   Revocations revocations;
   ps::SharedValues values(kNumel, at::kFloat, 2, 60s, revocations.record());
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    std::string why_not;
-    ::_exit(ps::MappedValues::open(values.offer(), 1, &why_not) ? 0 : 1);  // claims slot 1, then dies
-  }
+  const pid_t child = reader_in_a_child(values, [] { ::_exit(0); });
   int status = 0;
   REQUIRE(::waitpid(child, &status, 0) == child);
   REQUIRE((WIFEXITED(status) && WEXITSTATUS(status) == 0));
-  REQUIRE(values.lend(1) != 0);
-  const auto started = std::chrono::steady_clock::now();
-  values.wait_until_returned();
-  CHECK(std::chrono::steady_clock::now() - started < 10s);  // not the 60 s timeout
-  REQUIRE(revocations.seen.size() == 1);
-  CHECK(revocations.seen[0].first == 1);
-  CHECK_THAT(revocations.seen[0].second, Contains("exited"));
+  CHECK(lend_to_the_child_and_take_back(values) < 10s);  // not the 60 s timeout
+  check_the_child_lost_it(revocations, "exited");
 }
 
 TEST_CASE("ps shared values: a reader whose process is stopped loses its lending after half a second") {
   Revocations revocations;
   ps::SharedValues values(kNumel, at::kFloat, 2, 60s, revocations.record());
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    std::string why_not;
-    if (!ps::MappedValues::open(values.offer(), 1, &why_not)) ::_exit(1);  // claims slot 1
-    ::raise(SIGSTOP);  // as a debugger or a frozen job would leave it
-    ::_exit(0);
-  }
+  const pid_t child = reader_in_a_child(values, [] { ::raise(SIGSTOP); });  // as a debugger or a frozen job would
   int status = 0;
   REQUIRE(::waitpid(child, &status, WUNTRACED) == child);
   REQUIRE(WIFSTOPPED(status));
-  REQUIRE(values.lend(1) != 0);
-  const auto started = std::chrono::steady_clock::now();
-  values.wait_until_returned();
-  const auto waited = std::chrono::steady_clock::now() - started;
+  const auto waited = lend_to_the_child_and_take_back(values);
   ::kill(child, SIGKILL);
   ::waitpid(child, &status, 0);
   CHECK(waited >= 400ms);  // the grace: a stop of a moment (a debugger's step) keeps the lending
   CHECK(waited < 10s);     // not the 60 s timeout
-  REQUIRE(revocations.seen.size() == 1);
-  CHECK(revocations.seen[0].first == 1);
-  CHECK_THAT(revocations.seen[0].second, Contains("stopped"));
+  check_the_child_lost_it(revocations, "stopped");
 }
 
 TEST_CASE("ps shared values: a reader on another host, or past the server's slots, is declined") {
