@@ -90,7 +90,7 @@ TEST_CASE("plan: DDP's buckets take the same-host link where one is measured, th
   CHECK(plan::predict(equal_layers(2, 2 * kMiB), beside, batch_of(8), ddp).step_ms == Approx(8));
 }
 
-TEST_CASE("plan: DDP copies gradients into buckets and back, and without overlap all-reduces after backward") {
+TEST_CASE("plan: DDP copies gradients into buckets and back unless it averages them in place, and without overlap all-reduces after backward") {
   plan::Configuration ddp;
   ddp.world = 2;
   auto net = network(0.5, 1);
@@ -104,6 +104,11 @@ TEST_CASE("plan: DDP copies gradients into buckets and back, and without overlap
   plan::Calibration serial;
   serial.overlap = 0;
   CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, batch_of(8), ddp, serial).step_ms == Approx(11));
+  // Averaged where they lie (an shm data group): backward ends at 1 and 2 ms, the all-reduces run 1-3.5 and
+  // 3.5-6, nothing is copied back. Step: 2 + 6.
+  net.ddp_in_place = true;
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, batch_of(8), ddp).step_ms == Approx(8));
+  net.ddp_in_place = false;
   // One rank neither copies nor communicates.
   ddp.world = 1;
   CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, batch_of(8), ddp).step_ms == Approx(4 + 4));

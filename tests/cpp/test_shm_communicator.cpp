@@ -117,6 +117,53 @@ TEST_CASE("shm communicator: reductions equal the sum over ranks, whole, at the 
   }
 }
 
+TEST_CASE("shm communicator: an all-reduce of tensors where they lie, each rank's split differently", "[shm]") {
+  const int world = GENERATE(2, 3);
+  // 4 KiB chunks; the pieces' boundaries fall inside partitions, chunks and the one-shot size alike.
+  auto ranks = group(world, 4096, std::chrono::seconds(30));
+  for (int64_t numel : {int64_t{300}, int64_t{5000} * world + 17}) {
+    const auto expected = at::arange(numel, at::kFloat) * world + world * (world - 1) / 2.0;
+    const auto errors = on_threads(world, [&](int rank) {
+      // Rank r cuts the logical tensor every 37 * (r + 1) elements, into separate allocations.
+      std::vector<at::Tensor> tensors;
+      std::vector<std::pair<char*, uint64_t>> pieces;
+      const auto whole = at::arange(numel, at::kFloat) + rank;
+      for (int64_t first = 0; first < numel; first += 37 * (rank + 1)) {
+        tensors.push_back(whole.slice(0, first, std::min(numel, first + 37 * (rank + 1))).clone());
+        pieces.emplace_back(static_cast<char*>(tensors.back().data_ptr()), tensors.back().nbytes());
+      }
+      const Pieces in_place(pieces);
+      ranks[rank]->reduce(descriptor(OpKind::Allreduce, whole), in_place, in_place, at::kFloat, ReduceMode::All,
+                          c10d::ReduceOp::SUM);
+      TORCH_CHECK(at::equal(at::cat(tensors), expected), "all-reduce of pieces differs on rank ", rank);
+
+      // From pieces into one tensor, and a reduce_scatter from pieces: input and output split apart.
+      std::vector<std::pair<char*, uint64_t>> input_pieces;
+      int64_t first = 0;
+      for (auto& tensor : tensors) {
+        tensor.copy_(whole.slice(0, first, first + tensor.numel()));
+        first += tensor.numel();
+        input_pieces.emplace_back(static_cast<char*>(tensor.data_ptr()), tensor.nbytes());
+      }
+      auto all = at::empty({numel}, at::kFloat);
+      ranks[rank]->reduce(descriptor(OpKind::Allreduce, all), Pieces(input_pieces),
+                          Pieces(static_cast<char*>(all.data_ptr()), all.nbytes()), at::kFloat, ReduceMode::All,
+                          c10d::ReduceOp::SUM);
+      TORCH_CHECK(at::equal(all, expected), "all-reduce of pieces into one tensor differs on rank ", rank);
+      const int64_t block_numel = numel / world;
+      auto block = at::empty({block_numel}, at::kFloat);
+      ranks[rank]->reduce(descriptor(OpKind::ReduceScatter, all), Pieces(input_pieces), Pieces(static_cast<char*>(block.data_ptr()), block.nbytes()),
+                          at::kFloat, ReduceMode::Scatter, c10d::ReduceOp::SUM);
+      TORCH_CHECK(at::equal(block, expected.slice(0, rank * block_numel, (rank + 1) * block_numel)),
+                  "reduce_scatter of pieces differs on rank ", rank);
+    });
+    for (int rank = 0; rank < world; ++rank) {
+      INFO("numel " << numel << ", rank " << rank);
+      CHECK(errors[rank] == "");
+    }
+  }
+}
+
 TEST_CASE("shm communicator: back-to-back all-reduces of many rounds, ranks out of step, every result exact",
           "[shm]") {
   // A rank copies round k's reduced partitions during round k + 1: a slot must not be refilled before

@@ -89,6 +89,8 @@ void bind_ddp(py::module_& module) {
       .def("bucket_indices", [](ReplicaCoordinator& self) { return self.reducer().bucket_indices(); })
       .def_property_readonly("buckets_rebuilt",
                              [](ReplicaCoordinator& self) { return self.reducer().buckets_rebuilt(); })
+      .def_property_readonly("gradients_reduced_in_place",
+                             [](ReplicaCoordinator& self) { return self.reducer().reducing_in_place(); })
       .def_property_readonly("timeline_path", [](ReplicaCoordinator& self) -> std::optional<std::string> {
         if (!self.timeline()) {
           return std::nullopt;

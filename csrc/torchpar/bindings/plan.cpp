@@ -58,6 +58,7 @@ void bind_plan(py::module_& module) {
       .def_readwrite("reduce_scatter", &plan::NetworkProfile::reduce_scatter)
       .def_readwrite("stage_transfer", &plan::NetworkProfile::stage_transfer)
       .def_readwrite("ddp_all_reduce", &plan::NetworkProfile::ddp_all_reduce)
+      .def_readwrite("ddp_in_place", &plan::NetworkProfile::ddp_in_place)
       .def_readwrite("ps_ring_bytes", &plan::NetworkProfile::ps_ring_bytes);
   py::class_<plan::Calibration>(m, "Calibration")
       .def(py::init<>())

@@ -1,5 +1,6 @@
 #include <torchpar/ddp/reducer.h>
 
+#include <torchpar/comm/coalesced_in_place.h>
 #include <torchpar/common/bucket_assignment.h>
 #include <torchpar/common/control_collectives.h>
 #include <torchpar/common/error_message.h>
@@ -60,6 +61,12 @@ Reducer::Reducer(
   }
   locally_used_ = at::zeros({static_cast<int64_t>(parameters_.size())}, at::TensorOptions().dtype(at::kInt));
   average_scale_ = at::native::wrapped_scalar_tensor(1.0 / world_size());
+  divisor_ = world_size();
+  // The gradients then stay the tensors autograd made, as without in-place reduction; with
+  // gradient_as_bucket_view they are the bucket's views, reduced in the bucket.
+  in_place_capable_ = !options_.gradient_as_bucket_view &&
+      options_.data_process_group->getSize() == world_size() &&
+      comm::reduces_coalesced_in_place(*options_.data_process_group);
   ready_.assign(parameters_.size(), false);
   build_buckets(reverse_registration_order(parameters_.size()));
   gradient_hooks_ = std::make_unique<GradientReadyHooks>(
@@ -71,6 +78,13 @@ Reducer::~Reducer() = default;
 void Reducer::set_gradient_divisor(int divisor) {
   TORCH_CHECK(divisor > 0, "DistributedDataParallel: gradient divisor must be positive, got ", divisor);
   average_scale_ = at::native::wrapped_scalar_tensor(1.0 / divisor);
+  divisor_ = divisor;
+}
+
+bool Reducer::reducing_in_place() const {
+  // AVG divides by the group's size; every rank decides alike (a rank that joined shadows the
+  // others with the divisor they use).
+  return in_place_capable_ && !comm_hook_ && divisor_ == world_size();
 }
 
 void Reducer::set_static_graph() {
@@ -135,6 +149,8 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
       bucket.views.push_back(std::move(view));
     }
     bucket.pending = indices.size();
+    bucket.inputs = bucket.views;
+    bucket.reduced_in_gradient.assign(indices.size(), false);
     buckets_.push_back(std::move(bucket));
   }
 }
@@ -299,31 +315,48 @@ void Reducer::mark_ready(size_t index, bool produced_by_autograd) {
   auto& view = bucket.views[location.slot];
   auto& grad = parameters_[index].mutable_grad();
   const bool average_here = comm_hook_ == nullptr;  // a hook receives raw sums and averages itself
+  bucket.inputs[location.slot] = view;
+  bucket.reduced_in_gradient[location.slot] = false;
   if (!grad.defined()) {
     view.zero_();
-  } else {
-    TORCH_CHECK(
-        grad.layout() == c10::kStrided, "DistributedDataParallel: parameter ", names_[index],
-        " has a sparse gradient; torchpar's reducer handles dense gradients only");
-    if (grad.is_alias_of(view)) {
-      if (average_here) {
-        view.mul_(average_scale_);
-      }
+    launch_if_full(location.bucket);
+    return;
+  }
+  TORCH_CHECK(
+      grad.layout() == c10::kStrided, "DistributedDataParallel: parameter ", names_[index],
+      " has a sparse gradient; torchpar's reducer handles dense gradients only");
+  if (reducing_in_place()) {
+    // A gradient kept from before for a parameter unused now is not this backward's to change.
+    if (produced_by_autograd && grad.is_contiguous() && !grad.requires_grad() &&
+        grad.scalar_type() == view.scalar_type()) {
+      bucket.inputs[location.slot] = grad;
+      bucket.reduced_in_gradient[location.slot] = true;
     } else {
-      // detach: with backward(create_graph=true) the gradient requires grad, which out= refuses.
-      if (average_here) {
-        at::mul_out(view, grad.detach(), average_scale_);
-      } else {
-        view.copy_(grad.detach());
-      }
-      if (options_.gradient_as_bucket_view) {
-        grad = view;
-      }
+      view.copy_(grad.detach());  // averaged by the all-reduce (AVG)
+    }
+  } else if (grad.is_alias_of(view)) {
+    if (average_here) {
+      view.mul_(average_scale_);
+    }
+  } else {
+    // detach: with backward(create_graph=true) the gradient requires grad, which out= refuses.
+    if (average_here) {
+      at::mul_out(view, grad.detach(), average_scale_);
+    } else {
+      view.copy_(grad.detach());
+    }
+    if (options_.gradient_as_bucket_view) {
+      grad = view;
     }
   }
+  launch_if_full(location.bucket);
+}
+
+void Reducer::launch_if_full(size_t bucket_index) {
+  auto& bucket = buckets_[bucket_index];
   if (--bucket.pending == 0) {
     if (timeline_) {
-      timeline_->instant("bucket " + std::to_string(location.bucket) + " ready", "backward");
+      timeline_->instant("bucket " + std::to_string(bucket_index) + " ready", "backward");
     }
     launch_ready_buckets();
   }
@@ -333,9 +366,29 @@ void Reducer::launch_ready_buckets() {
   // Collectives must be issued in the same order on every rank, whatever order gradients arrive in.
   while (next_bucket_to_launch_ < buckets_.size() && buckets_[next_bucket_to_launch_].pending == 0) {
     auto& bucket = buckets_[next_bucket_to_launch_];
-    bucket.future = communicate(next_bucket_to_launch_, bucket.flat);
+    bucket.future = reducing_in_place() ? reduce_in_place(next_bucket_to_launch_, bucket.inputs)
+                                        : communicate(next_bucket_to_launch_, bucket.flat);
     ++next_bucket_to_launch_;
   }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::reduce_in_place(size_t bucket_index, std::vector<at::Tensor> tensors) {
+  const auto launched_at = std::chrono::system_clock::now();
+  c10d::AllreduceCoalescedOptions average;
+  average.reduceOp = c10d::ReduceOp::AVG;
+  return traced(bucket_index, launched_at,
+                options_.data_process_group->allreduce_coalesced(tensors, average)->getFuture());
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::traced(size_t bucket_index,
+                                                        std::chrono::system_clock::time_point launched_at,
+                                                        c10::intrusive_ptr<c10::ivalue::Future> future) {
+  if (timeline_) {
+    future->addCallback([timeline = timeline_, bucket_index, launched_at](c10::ivalue::Future&) {
+      timeline->span("allreduce bucket " + std::to_string(bucket_index), "communication", launched_at);
+    });
+  }
+  return future;
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Reducer::communicate(size_t bucket_index, at::Tensor buffer) {
@@ -357,12 +410,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Reducer::communicate(size_t bucket_index
     std::vector<at::Tensor> tensors{std::move(buffer)};
     future = options_.data_process_group->allreduce(tensors)->getFuture();
   }
-  if (timeline_) {
-    future->addCallback([timeline = timeline_, bucket_index, launched_at](c10::ivalue::Future&) {
-      timeline->span("allreduce bucket " + std::to_string(bucket_index), "communication", launched_at);
-    });
-  }
-  return future;
+  return traced(bucket_index, launched_at, std::move(future));
 }
 
 at::Tensor Reducer::reduced_result(size_t bucket_index, const c10::intrusive_ptr<c10::ivalue::Future>& future) {
@@ -447,6 +495,9 @@ void Reducer::finalize_backward() {
     globally_used = static_globally_used_;
   }
   write_back_gradients(globally_used);
+  for (auto& bucket : buckets_) {
+    bucket.inputs = bucket.views;  // holds no gradient past the step: zero_grad(set_to_none) frees them
+  }
   if (timeline_) {
     timeline_->span("backward", "backward", backward_began_at_);
   }
@@ -459,6 +510,9 @@ void Reducer::write_back_gradients(const at::Tensor& globally_used) {
       continue;  // no rank used it: its .grad stays as it was, as in single-process training
     }
     const auto& location = locations_[i];
+    if (buckets_[location.bucket].reduced_in_gradient[location.slot]) {
+      continue;  // averaged where it lies
+    }
     const auto& view = buckets_[location.bucket].views[location.slot];
     auto& grad = parameters_[i].mutable_grad();
     if (options_.gradient_as_bucket_view) {
@@ -477,7 +531,8 @@ void Reducer::shadow_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
   for (const auto b : c10::irange(buckets_.size())) {
-    futures.push_back(communicate(b, at::zeros_like(buckets_[b].flat)));
+    auto zeros = at::zeros_like(buckets_[b].flat);
+    futures.push_back(reducing_in_place() ? reduce_in_place(b, {zeros}) : communicate(b, zeros));
   }
   for (const auto b : c10::irange(buckets_.size())) {
     try {

@@ -86,6 +86,10 @@ class Reducer {
   // Buckets in all-reduce order, as parameter indices (for tests and logging).
   std::vector<std::vector<size_t>> bucket_indices() const;
   bool buckets_rebuilt() const { return buckets_rebuilt_; }
+  // Whether gradients are averaged where they lie, by an allreduce_coalesced (AVG) of the tensors
+  // autograd made, instead of copied into the bucket, all-reduced and copied back: on an shm data
+  // group, without a comm hook or gradient_as_bucket_view, while gradients are divided by the world size.
+  bool reducing_in_place() const;
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
 
  private:
@@ -93,6 +97,10 @@ class Reducer {
     std::vector<size_t> parameter_indices;
     at::Tensor flat;                      // all gradients of the bucket, one dtype, one device
     std::vector<at::Tensor> views;        // per parameter: its slice of `flat`, shaped like it
+    // What an all-reduce in place reduces, per parameter: its gradient itself, or its view when the
+    // gradient could not be (undefined, strided, requiring grad); and which of them were gradients.
+    std::vector<at::Tensor> inputs;
+    std::vector<bool> reduced_in_gradient;
     std::vector<size_t> offsets, lengths;
     std::vector<std::vector<int64_t>> sizes;
     size_t pending = 0;                   // gradients still to come this iteration
@@ -107,9 +115,16 @@ class Reducer {
   void build_buckets(const std::vector<size_t>& order);
   void on_gradient_accumulated(size_t index);
   void mark_ready(size_t index, bool produced_by_autograd);
+  // Counts one more gradient of the bucket in; launches the buckets that are ready once it is full.
+  void launch_if_full(size_t bucket_index);
   void launch_ready_buckets();
   // Starts the bucket's all-reduce (or the comm hook) on `buffer`: the bucket itself, or zeros.
   c10::intrusive_ptr<c10::ivalue::Future> communicate(size_t bucket_index, at::Tensor buffer);
+  // Starts the all-reduce in place of `tensors` (the bucket's inputs, or zeros of its size).
+  c10::intrusive_ptr<c10::ivalue::Future> reduce_in_place(size_t bucket_index, std::vector<at::Tensor> tensors);
+  // Records the all-reduce's span on the timeline (if any) once `future` completes.
+  c10::intrusive_ptr<c10::ivalue::Future> traced(size_t bucket_index, std::chrono::system_clock::time_point launched_at,
+                                                 c10::intrusive_ptr<c10::ivalue::Future> future);
   // Waits; returns the hook's result tensor (undefined for the in-place default all-reduce).
   at::Tensor reduced_result(size_t bucket_index, const c10::intrusive_ptr<c10::ivalue::Future>& future);
   void finalize_backward();
@@ -134,6 +149,8 @@ class Reducer {
   PeerProcesses peers_;  // to name the rank that died when a bucket's all-reduce fails
   std::unique_ptr<c10d::CommHookInterface> comm_hook_;
   at::Tensor average_scale_;  // 1 / world size, a wrapped scalar as torch's reducer multiplies by
+  int divisor_;               // what gradients are divided by: the world size, unless join says otherwise
+  bool in_place_capable_;     // the data group reduces coalesced tensors where they lie (shm)
 
   std::vector<Bucket> buckets_;
   std::vector<Location> locations_;

@@ -299,6 +299,10 @@ bool ReplicaCoordinator::shadow_iteration() {
   }
   if (status.syncing_gradients) {
     reducer_->rebuild_buckets_if_due();
+    if (!divide_by_initial_world_size_) {
+      // The divisor the active ranks use: it decides how they all-reduce, which this rank must match.
+      reducer_->set_gradient_divisor(static_cast<int>(status.active_ranks.size()));
+    }
   }
   if (status.broadcasting_buffers) {
     broadcast_state(status.active_ranks.back(), /*include_parameters=*/false);

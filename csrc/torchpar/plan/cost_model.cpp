@@ -265,8 +265,8 @@ Prediction predict_data_parallel(const ModelProfile& model, const NetworkProfile
   const std::vector<size_t> caps{static_cast<size_t>(configuration.first_bucket_bytes),
                                  static_cast<size_t>(configuration.bucket_bytes)};
   // Each gradient is copied into its bucket as it becomes final (on the compute thread), and the
-  // averaged bucket back into the gradients once the all-reduces are done.
-  const double copy_ms_per_byte = world > 1 ? network.copy.ms_per_byte : 0.0;
+  // averaged bucket back into the gradients once the all-reduces are done; unless averaged in place.
+  const double copy_ms_per_byte = world > 1 && !network.ddp_in_place ? network.copy.ms_per_byte : 0.0;
   const auto step = overlapped_step(model, samples, caps, calibration, copy_ms_per_byte, [&](double bytes) {
     return world > 1 ? network.ddp_link().milliseconds(bytes) : 0.0;
   });

@@ -76,6 +76,9 @@ struct NetworkProfile {
   // an shm group over the same ranks (ddp.md). Unset: all_reduce.
   std::optional<LinkCost> ddp_all_reduce;
   const LinkCost& ddp_link() const { return ddp_all_reduce ? *ddp_all_reduce : all_reduce; }
+  // DDP averages the gradients where they lie (its buckets go through an shm group: ddp.md), without
+  // copying them into the buckets and back.
+  bool ddp_in_place = false;
   // Every rank on one host: the parameter server's payloads up to this many bytes go through its
   // shared-memory rings (ps/payload_ring.h: a Gloo frame, a copy in and a copy out); 0: through Gloo.
   int64_t ps_ring_bytes = 0;

@@ -75,12 +75,14 @@ def measure_network(group: Optional[dist.ProcessGroup] = None,
                     sizes_bytes: Sequence[int] = (4 << 10, 64 << 10, 256 << 10, 4 << 20), repeats: int = 25):
     """α + β · bytes of all-reduce, all-gather, reduce-scatter and a transfer between two ranks over `group`,
     and of a memory copy on every rank at once (every rank calls it); and of DDP's bucket all-reduce where it
-    goes through a same-host shm group beside `group` (``ddp_all_reduce``)."""
+    goes through a same-host shm group beside `group` (``ddp_all_reduce``); whether DDP averages gradients
+    in place there (``ddp_in_place``: on shm)."""
     group = group if group is not None else dist.group.WORLD
     network = _engine.measure_network(group, list(sizes_bytes), repeats)
     data_group = shm_group_beside(group, torch.device("cpu"))
     if data_group is not None:
         network.ddp_all_reduce = _engine.measure_network(data_group, list(sizes_bytes), repeats).all_reduce
+    network.ddp_in_place = data_group is not None or dist.get_backend(group) == "shm"
     return network
 
 

@@ -107,6 +107,7 @@ def sample_to_json(sample) -> dict:
         contention=sample.model.contention,
         layers=[{field: getattr(layer, field) for field in _LAYER_FIELDS} for layer in sample.model.layers],
         network=network_fields(sample.network),
+        ddp_in_place=sample.network.ddp_in_place,
         ps_ring_bytes=sample.network.ps_ring_bytes,
         setup=dict(batch=sample.setup.batch, optimizer_state_factor=sample.setup.optimizer_state_factor,
                    optimizer_ms_per_byte=sample.setup.optimizer_ms_per_byte),
@@ -159,6 +160,8 @@ def sample_from_json(fields: dict):
         setattr(network, name, _link_from(values))
     # Samples kept before the rings existed measured the parameter server through Gloo alone.
     network.ps_ring_bytes = fields.get("ps_ring_bytes", 0)
+    # Samples kept before DDP averaged gradients in place measured it copying them into its buckets and back.
+    network.ddp_in_place = fields.get("ddp_in_place", False)
     sample.network = network
     setup = _engine.TrainingSetup()
     for name, value in fields["setup"].items():

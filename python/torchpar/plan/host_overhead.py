@@ -66,6 +66,7 @@ def _through_the_group(network):
     group_only = _engine.NetworkProfile()
     for name in ("all_reduce", "send_recv", "copy", "all_gather", "reduce_scatter", "stage_transfer", "ps_ring_bytes"):
         setattr(group_only, name, getattr(network, name))
+    group_only.ddp_in_place = network.ddp_in_place and network.ddp_all_reduce is None  # the group is shm itself
     return group_only
 
 

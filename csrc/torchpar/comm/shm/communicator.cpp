@@ -133,15 +133,12 @@ void Communicator::run(Rounds&& rounds) {
   }
 }
 
-void Communicator::publish(const char* bytes, uint64_t length, uint64_t keep_from, uint64_t keep_to) {
+void Communicator::publish(const Pieces& stream, uint64_t offset, uint64_t length, uint64_t keep_from,
+                           uint64_t keep_to) {
   keep_from = std::min(keep_from, length);
   keep_to = std::clamp(keep_to, keep_from, length);
-  if (keep_from > 0) {
-    std::memcpy(slot(rank_), bytes, keep_from);
-  }
-  if (length > keep_to) {
-    std::memcpy(slot(rank_) + keep_to, bytes + keep_to, length - keep_to);
-  }
+  stream.copy_out(offset, keep_from, slot(rank_));
+  stream.copy_out(offset + keep_to, length - keep_to, slot(rank_) + keep_to);
   meet();
 }
 
@@ -176,13 +173,14 @@ void Communicator::exchange(
     uint64_t stream_bytes,
     const std::vector<Want>& wants) {
   start_op(descriptor, stream_bytes);
+  const Pieces pieces(const_cast<char*>(stream), stream_bytes);  // only read
   run([&] {
     const uint64_t chunk = layout_.chunk_bytes;
     uint64_t rounds = 1;
     for (uint64_t k = 0; k < rounds; ++k) {
       const uint64_t begin = k * chunk;
       const uint64_t end = begin + chunk;
-      publish(stream + std::min(begin, stream_bytes), stream_bytes > begin ? std::min(chunk, stream_bytes - begin) : 0);
+      publish(pieces, std::min(begin, stream_bytes), stream_bytes > begin ? std::min(chunk, stream_bytes - begin) : 0);
       if (k == 0) {
         rounds = std::max<uint64_t>(1, ceil_div(check_descriptors(), chunk));
       }
@@ -204,27 +202,50 @@ void Communicator::reduce(
     const at::Tensor& output,
     ReduceMode mode,
     c10d::ReduceOp::RedOpType op) {
-  const auto dtype = input.scalar_type();
-  const int64_t element = static_cast<int64_t>(input.element_size());
-  const int64_t numel = input.numel();
-  start_op(descriptor, static_cast<uint64_t>(numel * element));
-  run([&] {
+  const auto bytes = [](const at::Tensor& tensor) { return static_cast<uint64_t>(tensor.nbytes()); };
+  reduce(descriptor, Pieces(const_cast<char*>(static_cast<const char*>(input.const_data_ptr())), bytes(input)),
+         Pieces(static_cast<char*>(output.data_ptr()), bytes(output)), input.scalar_type(), mode, op);
+}
 
+void Communicator::reduce(
+    OpDescriptor descriptor,
+    const Pieces& input,
+    const Pieces& output,
+    c10::ScalarType dtype,
+    ReduceMode mode,
+    c10d::ReduceOp::RedOpType op) {
+  const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t numel = static_cast<int64_t>(input.bytes()) / element;
+  start_op(descriptor, input.bytes());
+  run([&] {
     const int64_t per_chunk = static_cast<int64_t>(layout_.chunk_bytes) / element;
     const uint64_t rounds = std::max<uint64_t>(1, ceil_div(static_cast<uint64_t>(numel), per_chunk));
     const bool one_shot = mode == ReduceMode::All && rounds == 1 && descriptor.stream_bytes <= kOneShotBytes;
     const int64_t block = mode == ReduceMode::Scatter ? numel / world() : 0;
-    const char* in = static_cast<const char*>(input.const_data_ptr());
-    char* out = static_cast<char*>(output.data_ptr());
     std::vector<const void*> sources(world());
-    // The ranks' elements from `first` on: this rank's straight from its input where it kept them out
-    // of its slot, the others' from their slots.
-    auto gather_sources = [&](int64_t first, bool own_from_input) {
-      for (int rank = 0; rank < world(); ++rank) {
-        sources[rank] = slot(rank) + (first % per_chunk) * element;
-      }
-      if (own_from_input) {
-        sources[rank_] = in + first * element;
+    // Reduces elements [from, to) of the chunk that starts at element `begin` into the output (element
+    // i at i - output_offset) and, unless null, into `shared` (for element `from`): this rank's
+    // elements straight from its input where it kept them out of its slot, the others' from their
+    // slots. One call of the kernel per stretch that no piece boundary interrupts.
+    auto reduce_range = [&](int64_t begin, int64_t from, int64_t to, bool own_from_input, char* shared,
+                            int64_t output_offset) {
+      const uint64_t last = static_cast<uint64_t>(to * element);
+      for (uint64_t at = static_cast<uint64_t>(from * element); at < last;) {
+        const uint64_t output_at = at - static_cast<uint64_t>(output_offset * element);
+        uint64_t length = std::min(last - at, output.contiguous_from(output_at));
+        if (own_from_input) {
+          length = std::min(length, input.contiguous_from(at));
+        }
+        const uint64_t within_chunk = at - static_cast<uint64_t>(begin * element);
+        for (int rank = 0; rank < world(); ++rank) {
+          sources[rank] = slot(rank) + within_chunk;
+        }
+        if (own_from_input) {
+          sources[rank_] = input.at(at);
+        }
+        reduce_slices(output.at(output_at), shared ? shared + (at - from * element) : nullptr, sources,
+                      static_cast<int64_t>(length) / element, dtype, op);
+        at += length;
       }
     };
     const int64_t align = std::max<int64_t>(1, kPartitionAlignBytes / element);
@@ -243,8 +264,8 @@ void Communicator::reduce(
       for (int rank = 0; rank < world(); ++rank) {
         const auto [theirs_from, theirs_to] = part_range(k, rank);
         if (rank != rank_ && theirs_from < theirs_to) {
-          std::memcpy(out + theirs_from * element, slot(round, rank) + (theirs_from - begin) * element,
-                      (theirs_to - theirs_from) * element);
+          output.copy_in(theirs_from * element, (theirs_to - theirs_from) * element,
+                         slot(round, rank) + (theirs_from - begin) * element);
         }
       }
     };
@@ -263,7 +284,7 @@ void Communicator::reduce(
         kept = part_range(k, rank_);
       }
       const auto bytes_from_begin = [&](int64_t index) { return static_cast<uint64_t>((index - begin) * element); };
-      publish(in + begin * element, bytes_from_begin(end), bytes_from_begin(kept.first),
+      publish(input, begin * element, bytes_from_begin(end), bytes_from_begin(kept.first),
               bytes_from_begin(kept.second));
       if (k == 0) {
         check_descriptors();
@@ -276,15 +297,12 @@ void Communicator::reduce(
       // What only this rank reduces goes straight to the output (which may be the input itself) and,
       // for an all-reduce, in the same pass to the slot's unpublished part, where the others copy it from.
       const auto [from, to] = kept;
-      const int64_t output_offset = mode == ReduceMode::Scatter ? rank_ * block : 0;
       if (from < to) {
-        gather_sources(from, true);
         char* shared = mode == ReduceMode::All ? slot(rank_) + (from - begin) * element : nullptr;
-        reduce_slices(out + (from - output_offset) * element, shared, sources, to - from, dtype, op);
+        reduce_range(begin, from, to, true, shared, mode == ReduceMode::Scatter ? rank_ * block : 0);
       }
       if (one_shot) {
-        gather_sources(begin, false);
-        reduce_slices(out + begin * element, nullptr, sources, end - begin, dtype, op);
+        reduce_range(begin, begin, end, false, nullptr, 0);
       } else if (partitioned && k + 1 == rounds) {
         // The last round has no next one to wait in.
         meet();

@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <torchpar/comm/shm/layout.h>
+#include <torchpar/comm/shm/pieces.h>
 #include <torchpar/comm/shm/segment.h>
 
 namespace torchpar::comm::shm {
@@ -76,6 +77,10 @@ class Communicator {
   // tensor (All, Root) or this rank's block (Scatter, output has numel / world elements).
   void reduce(OpDescriptor descriptor, const at::Tensor& input, const at::Tensor& output, ReduceMode mode,
               c10d::ReduceOp::RedOpType op);
+  // The same over elements of `dtype` lying in pieces (the same number of bytes on every rank, however
+  // each rank's are split); `output` may be `input` itself.
+  void reduce(OpDescriptor descriptor, const Pieces& input, const Pieces& output, c10::ScalarType dtype,
+              ReduceMode mode, c10d::ReduceOp::RedOpType op);
 
  private:
   char* slot(int rank) const;
@@ -83,10 +88,10 @@ class Communicator {
   RankControl& mine() const {
     return controls_[rank_];
   }
-  // Copies this rank's part of the current round into its slot, but for bytes [keep_from, keep_to)
-  // that no other rank reads, then waits for every rank to have done the same (and published the
-  // op's descriptor, in the first round).
-  void publish(const char* bytes, uint64_t length, uint64_t keep_from = 0, uint64_t keep_to = 0);
+  // Copies this rank's part of the current round (`length` bytes of `stream` from `offset`) into its
+  // slot, but for bytes [keep_from, keep_to) of it that no other rank reads, then waits for every
+  // rank to have done the same (and published the op's descriptor, in the first round).
+  void publish(const Pieces& stream, uint64_t offset, uint64_t length, uint64_t keep_from = 0, uint64_t keep_to = 0);
   void meet();
   // After the first round: every rank's descriptor must match; returns the longest stream.
   uint64_t check_descriptors();

@@ -143,6 +143,25 @@ uint64_t total_bytes(const std::vector<at::Tensor>& tensors) {
   return total;
 }
 
+// Whether the tensors can be reduced in place where they lie: each contiguous, no two sharing bytes.
+bool contiguous_and_apart(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  for (const auto& tensor : tensors) {
+    if (!tensor.is_contiguous()) {
+      return false;
+    }
+    const auto begin = reinterpret_cast<uintptr_t>(tensor.const_data_ptr());
+    spans.emplace_back(begin, begin + bytes_of(tensor));
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) {
+      return false;
+    }
+  }
+  return true;
+}
+
 OpDescriptor descriptor(OpKind kind, const at::Tensor& tensor, uint64_t agreed_bytes, int64_t root = -1,
                         RedOp op = RedOp::SUM) {
   OpDescriptor d{};
@@ -407,6 +426,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(
   }
   check_reducible(tensors[0].scalar_type(), op, "allreduce_coalesced");
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors, total_bytes(tensors), [this, tensors, op] {
+    if (single_host() && contiguous_and_apart(tensors)) {
+      // Reduced where they lie: no packing into one buffer and back.
+      std::vector<std::pair<char*, uint64_t>> pieces;
+      for (const auto& tensor : tensors) {
+        pieces.emplace_back(static_cast<char*>(tensor.data_ptr()), bytes_of(tensor));
+      }
+      const Pieces in_place(pieces);
+      communicator_.reduce(descriptor(OpKind::Allreduce, tensors[0], total_bytes(tensors), -1, op), in_place,
+                           in_place, tensors[0].scalar_type(), ReduceMode::All, op);
+      return;
+    }
     at::Tensor flat = flatten(tensors);
     allreduce_buffer(flat, op);
     unflatten_into(flat, tensors);

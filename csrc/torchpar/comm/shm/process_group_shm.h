@@ -34,6 +34,10 @@ class ProcessGroupShm : public c10d::Backend {
       std::chrono::milliseconds timeout);
   ~ProcessGroupShm() override;
 
+  // Every rank of the group on this host: ops go through the shared segment alone.
+  bool single_host() const {
+    return hosts_.host_count() == 1;
+  }
   const std::string getBackendName() const override {
     return "shm";
   }
@@ -102,9 +106,6 @@ class ProcessGroupShm : public c10d::Backend {
   }
   static constexpr uint64_t kAlwaysQueued = ~uint64_t{0};
   void run_tasks();
-  bool single_host() const {
-    return hosts_.host_count() == 1;
-  }
   // The op bodies, on contiguous buffers, single-host or hierarchical.
   void allreduce_buffer(const at::Tensor& buffer, c10d::ReduceOp::RedOpType op);
   void broadcast_buffer(const at::Tensor& buffer, int64_t root);
