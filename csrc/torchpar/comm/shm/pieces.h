@@ -5,20 +5,20 @@
 #include <utility>
 #include <vector>
 
+#include <c10/util/SmallVector.h>
+
 namespace torchpar::comm::shm {
 
 // One logical run of bytes held in several contiguous pieces of memory: the tensors of a coalesced
 // op, taken where they lie instead of packed into one buffer first (or a single tensor: one piece).
 class Pieces {
  public:
-  Pieces(char* data, uint64_t bytes) : Pieces(std::vector<std::pair<char*, uint64_t>>{{data, bytes}}) {}
+  Pieces(char* data, uint64_t bytes) {
+    add(data, bytes);
+  }
   explicit Pieces(const std::vector<std::pair<char*, uint64_t>>& pieces) {
     for (const auto& [data, bytes] : pieces) {
-      if (bytes > 0) {
-        data_.push_back(data);
-        starts_.push_back(total_);
-        total_ += bytes;
-      }
+      add(data, bytes);
     }
   }
 
@@ -51,12 +51,20 @@ class Pieces {
   }
 
  private:
+  void add(char* data, uint64_t bytes) {
+    if (bytes > 0) {
+      data_.push_back(data);
+      starts_.push_back(total_);
+      total_ += bytes;
+    }
+  }
   size_t piece_of(uint64_t offset) const {
     return static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), offset) - starts_.begin()) - 1;
   }
 
-  std::vector<char*> data_;
-  std::vector<uint64_t> starts_;  // logical offset of each piece's first byte
+  // Inline for a few pieces: an op on one tensor, the common case, allocates nothing.
+  c10::SmallVector<char*, 4> data_;
+  c10::SmallVector<uint64_t, 4> starts_;  // logical offset of each piece's first byte
   uint64_t total_ = 0;
 };
 
