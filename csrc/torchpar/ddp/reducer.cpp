@@ -64,7 +64,7 @@ Reducer::Reducer(
   divisor_ = world_size();
   // The gradients then stay the tensors autograd made, as without in-place reduction; with
   // gradient_as_bucket_view they are the bucket's views, reduced in the bucket.
-  in_place_capable_ = !options_.gradient_as_bucket_view &&
+  in_place_capable_ = !options_.gradient_as_bucket_view && device().is_cpu() &&
       options_.data_process_group->getSize() == world_size() &&
       comm::reduces_coalesced_in_place(*options_.data_process_group);
   ready_.assign(parameters_.size(), false);
