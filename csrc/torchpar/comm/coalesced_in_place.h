@@ -6,7 +6,8 @@
 namespace torchpar::comm {
 
 // True for torchpar's shm backend (on one host) as the group's CPU backend: its allreduce_coalesced of
-// CPU tensors packs nothing and supports AVG. Gloo packs the tensors into one buffer and has no AVG, so DDP's own bucket serves it better.
+// CPU tensors packs nothing and supports AVG. Gloo packs the tensors into one buffer and has no AVG,
+// so DDP's own bucket serves it better.
 bool reduces_coalesced_in_place(c10d::ProcessGroup& group);
 
 } // namespace torchpar::comm
