@@ -6,7 +6,9 @@ For each world size the script spawns that many ranks on this host; every rank j
 and an shm group, and each (op, size) is timed op by op on both, in alternating blocks, in the same
 processes: the median (p50) and 90th percentile (p90) of the slowest rank. A plain memcpy of the same
 size (one process, torch's copy_) is measured as the physical bound, and the same memcpy on every rank
-at once (the slowest rank's median), the bound when the ranks share the memory bus. Bus bandwidth follows nccl-tests
+at once (the slowest rank's median), the bound when the ranks share the memory bus, and a hand-over: rank 0
+writes the bytes into shared memory and rank 1 copies them out (both copies' medians added), the bound
+of moving data between cores, which a 2-rank all-reduce does once per byte. Bus bandwidth follows nccl-tests
 (from the median): allreduce algbw*2(n-1)/n, allgather algbw*(n-1)/n (size = output), broadcast algbw.
 Sizes double from 4 KiB. Prints the table and the shm all-reduce's targets (no step in the latency
 curve, a short tail, the speed-up over Gloo up to 1 MiB, bus bandwidth against memcpy at 16-64 MiB)
@@ -105,6 +107,40 @@ def memcpy_at_once_rows(world: int, sizes: list[int], control) -> list[dict]:
     return rows
 
 
+def handover_rows(world: int, sizes: list[int], shm_group, control, port: int) -> list[dict]:
+    """Rank 0 writes the bytes into shared memory, then rank 1 copies them out: the time of both copies.
+
+    Every shm collective is made of such hand-overs between cores, so this is its physical bound: a 2-rank
+    all-reduce writes, on each rank, as many bytes for the other rank as it reads from it (its inputs' half and
+    its results' half). The writer's copy pays for taking the cache lines back from the reader's cache, the
+    reader's for fetching them from the writer's.
+    """
+    path = f"/dev/shm/torchpar-bench-handover-{port}"
+    shared = torch.from_file(path, shared=True, size=max(sizes), dtype=torch.uint8)
+    dist.barrier(group=control)
+    if dist.get_rank() == 0:
+        os.unlink(path)  # both ranks hold the mapping
+    rows = []
+    for size in sizes:
+        source, target, window = (torch.ones(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8),
+                                  shared[:size])
+        iterations = max(5, min(300, int(TARGET_SECONDS / 4 * 4e9 / size)))
+        seconds = []
+        for _ in range(iterations + 2):
+            for role, copy in ((0, lambda: window.copy_(source)), (1, lambda: target.copy_(window))):
+                if dist.get_rank() == role:
+                    start = time.perf_counter()
+                    copy()
+                    seconds.append(time.perf_counter() - start)
+                dist.barrier(group=shm_group)
+        median = percentile(seconds[2:], 0.5) if dist.get_rank() < 2 else 0.0
+        total = torch.tensor([median], dtype=torch.float64)
+        dist.all_reduce(total, group=control)
+        rows.append(dict(op="handover", world=world, backend="memcpy", bytes=size, seconds=total.item(),
+                         busbw_gbps=size / total.item() / 1e9))
+    return rows
+
+
 def rank_main(rank: int, world: int, port: int, sizes: list[int], results) -> None:
     import torchpar  # registers "shm"
 
@@ -113,7 +149,7 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], results) -> No
     torch.set_num_threads(1)  # after init_process_group: a pinned rank's share may hold more cores
     control = dist.new_group(backend="gloo")
     groups = {"gloo": dist.group.WORLD, "shm": dist.new_group(backend="shm")}
-    rows = memcpy_at_once_rows(world, sizes, control)
+    rows = memcpy_at_once_rows(world, sizes, control) + handover_rows(world, sizes, groups["shm"], control, port)
     progress = None
     if rank == 0:
         from tqdm import tqdm
@@ -167,8 +203,8 @@ def memcpy_rows(sizes: list[int]) -> list[dict]:
 def table(rows: list[dict]) -> str:
     index = {(r["op"], r["world"], r["backend"], r["bytes"]): r for r in rows}
     lines = ["| op | ranks | size | gloo p50 | gloo p90 | shm p50 | shm p90 | speed-up (p50) | gloo busbw | shm busbw "
-             "| memcpy | memcpy, every rank at once |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| memcpy | memcpy, every rank at once | hand-over between ranks |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for op in OPS:
         for world in sorted({r["world"] for r in rows if r["op"] == op}):
             for size in sorted({r["bytes"] for r in rows if r["op"] == op}):
@@ -179,7 +215,8 @@ def table(rows: list[dict]) -> str:
                     f"| {shm['seconds'] * 1e6:.1f} µs | {shm['p90_seconds'] * 1e6:.1f} µs "
                     f"| {gloo['seconds'] / shm['seconds']:.1f}x | {gloo['busbw_gbps']:.2f} GB/s "
                     f"| {shm['busbw_gbps']:.2f} GB/s | {index[('memcpy', 1, 'memcpy', size)]['busbw_gbps']:.2f} GB/s "
-                    f"| {index[('memcpy', world, 'memcpy', size)]['busbw_gbps']:.2f} GB/s |")
+                    f"| {index[('memcpy', world, 'memcpy', size)]['busbw_gbps']:.2f} GB/s "
+                    f"| {index[('handover', world, 'memcpy', size)]['busbw_gbps']:.2f} GB/s |")
     return "\n".join(lines)
 
 
@@ -210,6 +247,21 @@ def targets(rows: list[dict]) -> list[dict]:
             checks.append(dict(world=world, target=name, worst=value, at_bytes=size, holds=holds(value),
                                held=sum(holds(v) for v, _ in values), of=len(values)))
     return checks
+
+
+def against_handover(rows: list[dict]) -> str:
+    """2 ranks: the all-reduce's time over the hand-over of the same bytes, its physical bound (see handover_rows)."""
+    handover = {r["bytes"]: r["seconds"] for r in rows if (r["op"], r["world"]) == ("handover", 2)}
+    shm = sorted((r for r in rows if (r["op"], r["world"], r["backend"]) == ("allreduce", 2, "shm")),
+                 key=lambda r: r["bytes"])
+    if not shm or not handover:
+        return ""
+    lines = ["| size | shm all-reduce, 2 ranks | hand-over of the same bytes | all-reduce / hand-over |",
+             "| ---: | ---: | ---: | ---: |"]
+    for r in shm:
+        lines.append(f"| {human(r['bytes'])} | {r['seconds'] * 1e6:.1f} µs | {handover[r['bytes']] * 1e6:.1f} µs "
+                     f"| {r['seconds'] / handover[r['bytes']]:.2f} |")
+    return "\n".join(lines)
 
 
 def targets_table(checks: list[dict]) -> str:
@@ -248,6 +300,10 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                 latency.fill_between(sizes, [r["seconds"] * 1e6 for r in series],
                                      [r["p90_seconds"] * 1e6 for r in series], color=line.get_color(), alpha=0.15)
                 bandwidth.plot(sizes, [r["busbw_gbps"] for r in series], style, marker="o", label=label)
+        handover = sorted((r for r in rows if (r["op"], r["world"]) == ("handover", 2)), key=lambda r: r["bytes"])
+        if handover and op == "allreduce":
+            bandwidth.plot([r["bytes"] for r in handover], [r["busbw_gbps"] for r in handover], "-.", color="gray",
+                           label="hand-over between 2 ranks (write + read)")
         for world, series in memcpy.items():
             bandwidth.plot([r["bytes"] for r in series], [r["busbw_gbps"] for r in series], ":",
                            color="black" if world == 1 else None,
@@ -286,8 +342,8 @@ def main() -> None:
     checks = targets(rows)
     (args.out / "collectives.json").write_text(json.dumps(dict(rows=rows, targets=checks), indent=1))
     plot(rows, args.out / "collectives.png")
-    logger.info("%s\n\n%s\n\nwrote %s and %s", table(rows), targets_table(checks), args.out / "collectives.json",
-                args.out / "collectives.png")
+    logger.info("%s\n\n%s\n\n%s\n\nwrote %s and %s", table(rows), targets_table(checks), against_handover(rows),
+                args.out / "collectives.json", args.out / "collectives.png")
 
 
 if __name__ == "__main__":
