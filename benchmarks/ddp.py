@@ -7,6 +7,9 @@ For each world size the script spawns that many ranks on this host (one thread e
 joins a Gloo group and an shm group and, per model, builds from the same initial weights:
 
     no-comm       the plain module: the same steps without any communication (the floor)
+    all-reduce after backward
+                  the plain module, its gradients averaged by one all-reduce on the shm group after backward:
+                  the ranks' meeting and the transfer, with no overlap and no DDP machinery (shm rows only)
     torch         torch.nn.parallel.DistributedDataParallel on each backend
     torchpar      torchpar.DistributedDataParallel on each backend, constructed the same way (given the Gloo
                   group, it moves the gradients and buffers through an shm group beside it, as it does on
@@ -26,10 +29,10 @@ that skipped its all-reduce would fail this). Models:
     cnn           2 x (conv 3x3 + BatchNorm + ReLU + max-pool) + linear on 3x32x32, batch 32
     transformer   one nn.TransformerEncoderLayer (d_model 128, 4 heads, ff 512) + linear, batch 16 x seq 32
 
-Writes <out>/ddp.json and ddp.png and prints the table: steps/s per variant, torchpar/torch and each
-DDP's overhead over no-comm (extra time per step); then the targets (median torchpar/torch >= 1.10, the
-shm MLP's overhead <= 15%) and which hold. The default run takes a few
-minutes on a 2-core machine; --quick is a sanity run of about a minute.
+Writes <out>/ddp.json and ddp.png and prints the table: steps/s per variant, torchpar/torch, each DDP's
+overhead over no-comm (extra time per step) and, on shm, the all-reduce after backward's; then the
+targets (median torchpar/torch >= 1.10, the shm MLP's overhead <= 15%) and which hold. The default run
+takes a few minutes on a 2-core machine; --quick is a sanity run of about a minute.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from bench_ranks import join_world, run_world, say_whether_pinned
 logger = logging.getLogger("torchpar.bench")
 BACKENDS = ("gloo", "shm")
 IMPLS = ("torch", "torchpar")
+FLOOR = "all-reduce after backward"
 WARMUP_STEPS = 5  # DDP rebuilds its buckets after the first iteration; none of that is timed
 LR = 0.01
 
@@ -116,6 +120,22 @@ class Variant:
         self.optimizer.step()
 
 
+class AllreduceAfterBackward(Variant):
+    """The plain module, its gradients averaged in place by one all-reduce after backward: what a data-parallel
+    step costs when nothing overlaps backward and no DDP machinery runs (the ranks' meeting and the transfer)."""
+
+    def __init__(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, group) -> None:
+        super().__init__(FLOOR, "shm", module, x, y)
+        self.group, self.options = group, dist.AllreduceCoalescedOptions()
+        self.options.reduceOp = dist.ReduceOp.AVG
+
+    def step(self) -> None:
+        self.optimizer.zero_grad()
+        self.loss_fn(self.module(self.x), self.y).backward()
+        self.group.allreduce_coalesced([p.grad for p in self.module.parameters()], self.options).wait()
+        self.optimizer.step()
+
+
 def steps_per_second(variant: Variant, control, steps: int) -> float:
     """The slowest rank's rate over `steps` steps."""
     dist.barrier(group=control)
@@ -155,7 +175,7 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
     if rank == 0:
         from tqdm import tqdm
 
-        total = len(config["models"]) * (1 + len(IMPLS) * len(backends)) * rounds
+        total = len(config["models"]) * (1 + ("shm" in backends) + len(IMPLS) * len(backends)) * rounds
         progress = tqdm(total=total, desc=f"{world} ranks", unit="run")
     rows = []
     for model_name in config["models"]:
@@ -166,6 +186,8 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
         # Units are timed back to back: no-comm alone, and torch's and torchpar's DDP on one backend as a
         # pair (the same number of steps each, adjacent in time, so a slow spell of the machine hits both).
         units = [[Variant("no-comm", "none", copy.deepcopy(initial), x, y)]]
+        if "shm" in backends:
+            units.append([AllreduceAfterBackward(copy.deepcopy(initial), x, y, groups["shm"])])
         for backend in backends:
             units.append([])
             for impl in IMPLS:
@@ -214,13 +236,15 @@ def table(rows: list[dict]) -> str:
     index = {(r["model"], r["world"], r["backend"], r["impl"]): r["steps_per_s"] for r in rows}
     ratio = {(r["model"], r["world"], r["backend"]): r["ratio_to_torch"] for r in rows if r["impl"] == "torchpar"}
     lines = ["| model | ranks | backend | no-comm | torch DDP | torchpar DDP | torchpar/torch "
-             "| torch overhead | torchpar overhead |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| torch overhead | torchpar overhead | all-reduce after backward |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for model, world, backend in comparisons(rows):
         alone = index[(model, world, "none", "no-comm")]
         ours, theirs = index[(model, world, backend, "torchpar")], index[(model, world, backend, "torch")]
+        floor = index.get((model, world, backend, FLOOR))
         lines.append(f"| {model} | {world} | {backend} | {alone:.1f}/s | {theirs:.1f}/s | {ours:.1f}/s "
-                     f"| {ratio[(model, world, backend)]:.2f} | {overhead(alone, theirs)} | {overhead(alone, ours)} |")
+                     f"| {ratio[(model, world, backend)]:.2f} | {overhead(alone, theirs)} | {overhead(alone, ours)} "
+                     f"| {overhead(alone, floor) if floor else '—'} |")
     return "\n".join(lines)
 
 
