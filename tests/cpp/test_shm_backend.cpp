@@ -162,9 +162,9 @@ TEST_CASE("shm: an op issued while another runs on its caller's thread runs once
 
 TEST_CASE("shm: unsupported requests name the op", "[shm]") {
   run_on_ranks(2, [](int rank, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    std::vector<at::Tensor> integers{at::ones({4}, at::kInt)};
-    CHECK_THROWS_WITH(pg->allreduce(integers, c10d::AllreduceOptions{c10d::ReduceOp::AVG}),
-                      Contains("allreduce with ReduceOp.AVG needs a floating-point tensor"));
+    std::vector<at::Tensor> booleans{at::ones({4}, at::kBool)};
+    CHECK_THROWS_WITH(pg->allreduce(booleans, c10d::AllreduceOptions{c10d::ReduceOp::AVG}),
+                      Contains("allreduce with ReduceOp.AVG needs a numeric tensor, got Bool"));
     std::vector<at::Tensor> float8{at::ones({4}).to(at::kFloat8_e4m3fn)};
     CHECK_THROWS_WITH(pg->allreduce(float8), Contains("allreduce cannot reduce tensors of dtype Float8_e4m3fn"));
     std::vector<at::Tensor> rows{at::ones({4, 3})};

@@ -1,6 +1,7 @@
 // comm/shm/reduce_kernels: the shm backend's reductions against ATen's, including the outputs the
 // all-reduce uses in place (the output is this rank's input) and the second copy it shares.
 #include "catch_with_torch.h"
+#include <ATen/ops/div.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/maximum.h>
@@ -36,7 +37,9 @@ at::Tensor reference(const std::vector<at::Tensor>& sources, RedOp op) {
     }
   }
   if (op == RedOp::AVG) {
-    acc = acc / static_cast<double>(sources.size());
+    // Integers: truncated toward zero, as NCCL.
+    acc = c10::isFloatingType(acc.scalar_type()) ? acc / static_cast<double>(sources.size())
+                                                 : at::div(acc, static_cast<int64_t>(sources.size()), "trunc");
   }
   return acc.to(sources[0].scalar_type());
 }
@@ -44,21 +47,20 @@ at::Tensor reference(const std::vector<at::Tensor>& sources, RedOp op) {
 } // namespace
 
 TEST_CASE("shm reduce kernels equal ATen's, into a source itself and a second copy, across blocks", "[shm]") {
-  const std::vector<c10::ScalarType> dtypes{c10::kFloat, c10::kDouble, c10::kInt, c10::kLong, c10::kHalf, c10::kChar};
+  const std::vector<c10::ScalarType> dtypes{c10::kFloat, c10::kDouble, c10::kInt,  c10::kLong,
+                                            c10::kHalf,  c10::kChar,   c10::kByte, c10::kShort};
   const std::vector<RedOp> ops{RedOp::SUM, RedOp::AVG, RedOp::PRODUCT, RedOp::MIN, RedOp::MAX};
   // Not multiples of the kernels' block (4 KiB), and one shorter than a block.
   const std::vector<int64_t> counts{1, 1000, 2049, 4 * 1024 + 3};
   for (const auto dtype : dtypes) {
     for (const auto op : ops) {
-      if (op == RedOp::AVG && !c10::isFloatingType(dtype)) {
-        continue;
-      }
       for (const int64_t count : counts) {
         for (std::size_t world = 1; world <= 4; ++world) {
           // Small integers: products of four stay exact in every dtype, half included.
           std::vector<at::Tensor> sources;
           for (std::size_t k = 0; k < world; ++k) {
-            sources.push_back(at::randint(-3, 4, {count}, at::TensorOptions().dtype(dtype)));
+            const int64_t low = dtype == c10::kByte ? 0 : -3;
+            sources.push_back(at::randint(low, 4, {count}, at::TensorOptions().dtype(dtype)));
           }
           const at::Tensor expected = reference(sources, op);
           INFO(c10::toString(dtype) << " op " << static_cast<int>(op) << " count " << count << " world " << world);

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from rank_harness import launch_ranks, run_on_ranks
 
-REDUCIBLE = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+REDUCIBLE = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16, torch.int32,
              torch.int64, torch.bool]
 MOVABLE = [torch.float32, torch.bfloat16, torch.int8, torch.int64, torch.bool]
 SIZES = [0, 1, 10007]  # empty, one element, a prime
@@ -91,6 +91,16 @@ def every_op_matches_gloo(rank, world):
             dist.all_reduce(summed, op=dist.ReduceOp.AVG, group=shm)
             expected = sum(contribution(r, 1000, torch.float64) for r in range(world)) / world
             torch.testing.assert_close(summed.double(), expected, rtol=1e-2 if dtype in HALF else 1e-6, atol=0)
+        elif dtype != torch.bool:
+            # As NCCL (Lightning averages its int64 counters so): the sum divided, truncated toward zero;
+            # signed types get negative values whose truncation differs from flooring.
+            def signed(r):
+                values = contribution(r, 1000, torch.int64)
+                return values if dtype == torch.uint8 else values - 3 * r
+            averaged = signed(rank).to(dtype)
+            dist.all_reduce(averaged, op=dist.ReduceOp.AVG, group=shm)
+            expected = torch.div(sum(signed(r) for r in range(world)), world, rounding_mode="trunc").to(dtype)
+            assert torch.equal(averaged, expected), f"AVG {dtype}: {averaged[:8]} != {expected[:8]}"
 
     for dtype in MOVABLE:
         for numel in SIZES:

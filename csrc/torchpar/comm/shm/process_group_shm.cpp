@@ -314,7 +314,7 @@ void ProcessGroupShm::allreduce_buffer(const at::Tensor& buffer, RedOp op) {
   }
   host_broadcast(buffer, 0);
   if (op == RedOp::AVG) {
-    buffer.div_(size_);
+    divide_by_count(buffer, size_);
   }
 }
 
@@ -363,7 +363,10 @@ void ProcessGroupShm::reduce_buffer(const at::Tensor& buffer, int64_t root, RedO
       host_broadcast(scratch, 0, local_root);
     }
     if (rank_ == root) {
-      buffer.copy_(op == RedOp::AVG ? scratch / size_ : scratch);
+      if (op == RedOp::AVG) {
+        divide_by_count(scratch, size_);
+      }
+      buffer.copy_(scratch);
     }
   }
 }

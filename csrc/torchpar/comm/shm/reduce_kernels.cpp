@@ -72,7 +72,7 @@ void accumulate(at::Tensor& out, const std::vector<at::Tensor>& sources, RedOp o
     }
   }
   if (op == RedOp::AVG) {
-    out.div_(static_cast<double>(sources.size()));
+    divide_by_count(out, static_cast<int64_t>(sources.size()));
   }
 }
 
@@ -140,13 +140,13 @@ bool reduce_plain(T* destination, T* copy, const std::vector<const void*>& sourc
     case RedOp::SUM:
       run([](T a, T b) { return wrapping<T>(a, b, std::plus<>()); });
       return true;
-    case RedOp::AVG:
-      if constexpr (std::is_floating_point_v<T>) {
-        const T scale = static_cast<T>(sources.size());
-        fold(destination, copy, sources, count, [](T a, T b) { return a + b; }, [scale](T sum) { return sum / scale; });
-        return true;
-      }
-      return false;
+    case RedOp::AVG: {
+      // Integers: the wrapped sum divided with truncation toward zero, as NCCL's average of integers.
+      const T scale = static_cast<T>(sources.size());
+      fold(destination, copy, sources, count, [](T a, T b) { return wrapping<T>(a, b, std::plus<>()); },
+           [scale](T sum) { return static_cast<T>(sum / scale); });
+      return true;
+    }
     case RedOp::PRODUCT:
       run([](T a, T b) { return wrapping<T>(a, b, std::multiplies<>()); });
       return true;
@@ -188,6 +188,14 @@ bool reduce_without_aten(void* destination, void* copy, const std::vector<const 
 
 } // namespace
 
+void divide_by_count(const at::Tensor& tensor, int64_t count) {
+  if (c10::isIntegralType(tensor.scalar_type(), /*includeBool=*/false)) {
+    tensor.div_(count, "trunc");
+  } else {
+    tensor.div_(static_cast<double>(count));
+  }
+}
+
 void check_reducible(c10::ScalarType dtype, RedOp op, const char* op_name) {
   // The dtypes the kernels cover; anything else must fail here, on every rank alike, and never
   // halfway through an op on some ranks only.
@@ -199,8 +207,8 @@ void check_reducible(c10::ScalarType dtype, RedOp op, const char* op_name) {
   const bool floating = c10::isFloatingType(dtype);
   TORCH_CHECK(op != RedOp::PREMUL_SUM, "shm backend: ", op_name, " does not support ReduceOp.PREMUL_SUM");
   TORCH_CHECK(op <= RedOp::BXOR, "shm backend: ", op_name, ": unknown reduce op ", static_cast<int>(op));
-  TORCH_CHECK(!(op == RedOp::AVG && !floating), "shm backend: ", op_name,
-              " with ReduceOp.AVG needs a floating-point tensor, got ", dtype);
+  TORCH_CHECK(!(op == RedOp::AVG && dtype == c10::kBool), "shm backend: ", op_name,
+              " with ReduceOp.AVG needs a numeric tensor, got Bool");
   TORCH_CHECK(!((op == RedOp::BAND || op == RedOp::BOR || op == RedOp::BXOR) && floating), "shm backend: ",
               op_name, " with a bitwise reduce op needs an integer or bool tensor, got ", dtype);
 }
