@@ -103,6 +103,8 @@ def _pipeline(model: Model, configuration, batch: int, warmup: int, steps: int, 
     replicas, tensor = configuration.replicas, configuration.tensor
     grid = torchpar.ParallelGrid(data=replicas, pipeline=world // (replicas * tensor), tensor=tensor, backend=backend)
     roles = tensor_roles if tensor > 1 else ["whole"] * len(model.layers)
+    # A tensor group's ranks build their split layers from the same draws (rank 0 alone profiled the model).
+    torch.manual_seed(0)
     pipe = torchpar.pipeline.Pipeline(
         [lambda i=i: split_layer(model.build(i), roles[i], grid.tensor_group) for i in range(len(model.layers))],
         model.loss,
@@ -153,6 +155,7 @@ def _tensor_parallel(model: Model, roles: list[str], configuration, batch: int, 
                      backend: str) -> float:
     replicas = configuration.replicas
     grid = torchpar.ParallelGrid(data=replicas, tensor=dist.get_world_size() // replicas, backend=backend)
+    torch.manual_seed(0)  # the split layers from the same draws on every rank (rank 0 alone profiled the model)
     net = split_model([model.build(i) for i in range(len(model.layers))], roles, grid.tensor_group)
     if replicas > 1:  # the replicas' gradients averaged over the data group
         net = torchpar.DistributedDataParallel(net, process_group=grid.data_group)
