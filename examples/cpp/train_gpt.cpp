@@ -263,7 +263,7 @@ int main(int argc, char** argv) {
   torchpar::pipeline::Pipeline pipe(
       std::move(factories),
       [tensor](const torchpar::pipeline::Tensors& outputs, const at::Tensor& targets) {
-        return tp::vocab_parallel_cross_entropy(outputs[0], targets, tensor).mean();
+        return tp::vocab_parallel_cross_entropy(outputs[0], targets, tensor);
       },
       torchpar::pipeline::PipelineOptions()
           .process_group(grid.pipeline_group())
@@ -312,7 +312,7 @@ int main(int argc, char** argv) {
   const auto outputs = pipe.forward({inputs});
   std::vector<at::Tensor> held_out{at::full({1}, -std::numeric_limits<double>::infinity(), at::kDouble)};
   if (pipe.has_last_stage()) {
-    held_out[0].fill_(tp::vocab_parallel_cross_entropy(outputs[0], targets, tensor).mean().item<double>());
+    held_out[0].fill_(tp::vocab_parallel_cross_entropy(outputs[0], targets, tensor).item<double>());
   }
   world_group->allreduce(held_out, {c10d::ReduceOp::MAX})->wait();
   const auto mean = [](auto begin, auto end) { return std::accumulate(begin, end, 0.0) / std::distance(begin, end); };

@@ -54,7 +54,6 @@ gather_from_tensor_parallel = _engine.gather_from_tensor_parallel
 scatter_to_sequence_parallel = _engine.scatter_to_sequence_parallel
 gather_from_sequence_parallel = _engine.gather_from_sequence_parallel
 reduce_scatter_to_sequence_parallel = _engine.reduce_scatter_to_sequence_parallel
-vocab_parallel_cross_entropy = _engine.vocab_parallel_cross_entropy
 
 
 def _group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -64,6 +63,19 @@ def _group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
         raise RuntimeError("torchpar.tensor_parallel: no process group; call torchpar.init_process_group() first "
                            "or pass group=")
     return dist.group.WORLD
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 group: Optional[dist.ProcessGroup] = None, *, ignore_index: int = -100,
+                                 label_smoothing: float = 0.0, reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy(full_logits, target, ignore_index=, label_smoothing=, reduction=)`` where each rank of
+    ``group`` holds its vocabulary slice of the logits (``[*, V / size]``, a :class:`ColumnParallelLinear`'s
+    output): the same loss and gradient, on every rank, without gathering the logits. ``target`` is ``[*]``,
+    the same on every rank. ``reduction="mean"`` (as ``F.cross_entropy``) averages over the targets that are
+    not ``ignore_index``; ``"none"`` gives the loss per position.
+    """
+    return _engine.vocab_parallel_cross_entropy(logits, target, _group(group), ignore_index, label_smoothing,
+                                                reduction)
 
 
 def _optional_parameter(module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:

@@ -1,6 +1,7 @@
 // tensor_parallel from C++: the layers and the vocabulary-parallel loss on forked ranks against
-// torch::nn's single-process layers (float64), and the 3-D grid's groups. The Python suite
-// (tests/python/test_tensor_parallel.py) covers sizes 1-4.
+// torch::nn's single-process layers (float64), the 3-D grid's groups, a layer refused for ranks seeded
+// differently and the loss's options. The Python suite (tests/python/test_tensor_parallel*.py) covers
+// sizes 1-4 and every option.
 #include "catch_with_torch.h"
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/arange.h>
@@ -74,7 +75,8 @@ TEST_CASE("tensor parallel: a column-row MLP, an embedding and the vocabulary-pa
     const auto targets = at::randint(0, 20, {4}, at::kLong);
     auto logits_ref = at::randn({4, 20}, at::TensorOptions().dtype(at::kDouble)).requires_grad_(true);
     auto logits = shard(logits_ref.detach(), 1, rank, world).clone().requires_grad_(true);
-    const auto losses = tp::vocab_parallel_cross_entropy(logits, targets, pg);
+    const auto losses = tp::vocab_parallel_cross_entropy(
+        logits, targets, pg, tp::VocabParallelCrossEntropyOptions().reduction(torch::kNone));
     const auto losses_ref = at::cross_entropy_loss(logits_ref, targets, {}, at::Reduction::None);
     CHECK(close(losses, losses_ref));
     losses.sum().backward();
@@ -176,5 +178,30 @@ TEST_CASE("tensor parallel: a module's full state_dict and gradient norm are the
     const double expected = std::sqrt(static_cast<double>(sharded * world + 4 * replicated));
     CHECK(std::abs(tp::clip_grad_norm(layouts, 1.0, pg) - expected) < 1e-9);
     CHECK(std::abs(layouts[0].parameter.grad()[0][0].item<double>() - 1.0 / (expected + 1e-6)) < 1e-12);
+  });
+}
+
+TEST_CASE("tensor parallel: ranks seeded differently are refused and the loss takes the options of torch",
+          "[tensor_parallel]") {
+  run_on_ranks(2, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    c10::set_default_dtype(caffe2::TypeMeta::Make<double>());
+    torch::manual_seed(rank);
+    REQUIRE_THROWS_WITH(tp::RowParallelLinear(pg, tp::RowParallelLinearOptions(4, 2).name("blocks.0.down")),
+                        Catch::Matchers::Contains("blocks.0.down: the ranks of the tensor-parallel group built different "
+                                        "initial values of the layer (weight, bias): rank 1 drew") &&
+                            Catch::Matchers::Contains("torch::manual_seed(0)"));
+
+    // ignore_index, label_smoothing and the mean over the targets not ignored, against torch.
+    torch::manual_seed(0);
+    const auto targets = at::arange(6, at::kLong).mul_(3).remainder_(8);  // 0 3 6 1 4 7; 3 is ignored
+    auto logits_ref = at::randn({6, 8}, at::TensorOptions().dtype(at::kDouble)).requires_grad_(true);
+    auto logits = shard(logits_ref.detach(), 1, rank, world).clone().requires_grad_(true);
+    const auto loss = tp::vocab_parallel_cross_entropy(
+        logits, targets, pg, tp::VocabParallelCrossEntropyOptions().ignore_index(3).label_smoothing(0.1));
+    const auto loss_ref = at::cross_entropy_loss(logits_ref, targets, {}, at::Reduction::Mean, 3, 0.1);
+    CHECK(close(loss, loss_ref));
+    loss.backward();
+    loss_ref.backward();
+    CHECK(close(logits.grad(), shard(logits_ref.grad(), 1, rank, world)));
   });
 }

@@ -20,6 +20,7 @@ from torch import nn
 import torchpar
 import torchpar.pipeline
 import torchpar.ps
+import torchpar.tensor_parallel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "bad-input.md"
@@ -86,6 +87,18 @@ def uneven_batch(rank, world, state):
     pipe.step(torch.ones(6, 4) if pipe.is_first_stage else None, torch.ones(6, 2) if pipe.is_last_stage else None)
 
 
+def tensor_parallel_seeded_per_rank(rank, world, state):
+    torch.manual_seed(rank)
+    torchpar.tensor_parallel.RowParallelLinear(8, 4, group=dist.group.WORLD, name="blocks.0.down")
+
+
+def sequence_not_divisible(rank, world, state):
+    torch.manual_seed(0)
+    down = torchpar.tensor_parallel.RowParallelLinear(8, 4, group=dist.group.WORLD, sequence_parallel=True,
+                                                      name="blocks.0.down")
+    down(torch.zeros(5, 2, 8 // world))
+
+
 class PSRequest:
     """Worker 0's request to a one-server service, once rank 1 serves (the last phase of the run)."""
 
@@ -145,6 +158,13 @@ CASES = [
                                                                              microbatches=2)),
     ("pipeline", "an unknown schedule", "schedule", lambda *_: pipeline(schedule="round_robin")),
     ("pipeline", "a balance that does not add up to the layers", "balance", lambda *_: pipeline(balance=[1, 1])),
+    ("tensor parallelism", "ranks seeded differently before building a layer",
+     "seed every rank the same before building the layer", tensor_parallel_seeded_per_rank),
+    ("tensor parallelism", "a sequence that does not divide by the tensor size (sequence parallelism)",
+     "blocks.0.down: reduce_scatter_to_sequence_parallel: dimension 0", sequence_not_divisible),
+    ("tensor parallelism", "label smoothing outside [0, 1]", "label_smoothing must be between 0.0 and 1.0",
+     lambda rank, world, state: torchpar.tensor_parallel.vocab_parallel_cross_entropy(
+         torch.zeros(2, 4), torch.tensor([0, 1]), dist.group.WORLD, label_smoothing=1.5)),
     ("parameter server", "TORCHPAR_PS_SERVERS not a number", "TORCHPAR_PS_SERVERS='abc' is not a positive number",
      with_environment("TORCHPAR_PS_SERVERS", "abc", lambda *_: torchpar.ps.ParameterService())),
     ("parameter server", "a gradient of the table's size but another shape", "gradients must have the table's shape",

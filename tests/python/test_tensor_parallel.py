@@ -88,7 +88,7 @@ def layers_equal_single_process(rank, world, backend):
         hidden = embedding(ids)  # with sequence parallelism: this rank's positions, all-gathered by the head
         close(hidden, shard(hidden_ref, 0, rank, world) if sequence_parallel else hidden_ref,
               f"embedding output, {what}")
-        losses = tp.vocab_parallel_cross_entropy(head(hidden), targets, group)
+        losses = tp.vocab_parallel_cross_entropy(head(hidden), targets, group, reduction="none")
         close(losses.reshape(-1), losses_ref, f"vocabulary-parallel loss, {what}")
         losses.mean().backward()
         close(head.weight.grad, shard(head_ref.weight.grad, 0, rank, world), f"head weight gradient, {what}")

@@ -40,6 +40,15 @@ auto linear_shards(ShardFunction shard_function) {
   };
 }
 
+// F.cross_entropy's reduction names.
+tp::VocabParallelCrossEntropyOptions::reduction_t reduction_named(const std::string& reduction) {
+  if (reduction == "none") return torch::kNone;
+  if (reduction == "mean") return torch::kMean;
+  TORCH_CHECK(reduction == "sum", "vocab_parallel_cross_entropy: reduction '", reduction,
+              "' is not one of 'none', 'mean', 'sum'");
+  return torch::kSum;
+}
+
 // A `with` block around TensorParallelRandom::fork()'s guard.
 struct SplitStream {
   tp::TensorParallelRandom* random;
@@ -56,17 +65,28 @@ void bind_tensor_parallel(py::module_& module) {
   m.def("copy_to_tensor_parallel", &tp::copy_to_tensor_parallel, py::arg("input"), py::arg("group"), Release());
   m.def("reduce_from_tensor_parallel", &tp::reduce_from_tensor_parallel, py::arg("input"), py::arg("group"),
         Release());
-  m.def("scatter_to_tensor_parallel", &tp::scatter_to_tensor_parallel, py::arg("input"), py::arg("group"), Release());
+  m.def("scatter_to_tensor_parallel", &tp::scatter_to_tensor_parallel, py::arg("input"), py::arg("group"),
+        py::arg("name") = "", Release());
   m.def("gather_from_tensor_parallel", &tp::gather_from_tensor_parallel, py::arg("input"), py::arg("group"),
         Release());
   m.def("scatter_to_sequence_parallel", &tp::scatter_to_sequence_parallel, py::arg("input"), py::arg("group"),
-        Release());
+        py::arg("name") = "", Release());
   m.def("gather_from_sequence_parallel", &tp::gather_from_sequence_parallel, py::arg("input"), py::arg("group"),
         Release());
   m.def("reduce_scatter_to_sequence_parallel", &tp::reduce_scatter_to_sequence_parallel, py::arg("input"),
-        py::arg("group"), Release());
-  m.def("vocab_parallel_cross_entropy", &tp::vocab_parallel_cross_entropy, py::arg("logits"), py::arg("target"),
-        py::arg("group"), Release());
+        py::arg("group"), py::arg("name") = "", Release());
+  m.def(
+      "vocab_parallel_cross_entropy",
+      [](const at::Tensor& logits, const at::Tensor& target, const tp::Group& group, int64_t ignore_index,
+         double label_smoothing, const std::string& reduction) {
+        auto options = tp::VocabParallelCrossEntropyOptions()
+                           .ignore_index(ignore_index)
+                           .label_smoothing(label_smoothing)
+                           .reduction(reduction_named(reduction));
+        return tp::vocab_parallel_cross_entropy(logits, target, group, options);
+      },
+      py::arg("logits"), py::arg("target"), py::arg("group"), py::arg("ignore_index"), py::arg("label_smoothing"),
+      py::arg("reduction"), Release());
 
   m.def("column_parallel_shards", linear_shards(&tp::column_parallel_shards), py::arg("group"),
         py::arg("in_features"), py::arg("out_features"), py::arg("bias"), py::arg("name"));
@@ -110,7 +130,7 @@ void bind_tensor_parallel(py::module_& module) {
   m.def(
       "local_slice",
       [](const at::Tensor& input, int64_t dim, const tp::Group& group, const std::string& what) {
-        return tp::collectives::local_slice(input, dim, group, what.c_str());
+        return tp::collectives::local_slice(input, dim, group, what);
       },
       py::arg("input"), py::arg("dim"), py::arg("group"), py::arg("what"));
   m.def(

@@ -3,7 +3,8 @@
 // the results. Every rank builds the full single-process layer from the global generator and keeps its
 // slice, so with the same seed on every rank the shards together are exactly what torch::nn::Linear /
 // torch::nn::Embedding would hold. The constructor checks, with one small all-gather, that every rank
-// of the group builds the same layer.
+// of the group builds the same layer: the same sizes, and the same initial values (a hash of the full
+// layer each rank drew), so ranks seeded differently are refused instead of training different models.
 //
 //   ColumnParallelLinear(group, ColumnParallelLinearOptions(1024, 4096))     output features split
 //   RowParallelLinear(group, RowParallelLinearOptions(4096, 1024))           input features split
@@ -101,7 +102,8 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
 TORCH_MODULE(VocabParallelEmbedding);
 
 // Where tensor-parallel shards come from: the full layer as torch::nn builds it from the global
-// generator, sliced. Shared with the Python modules, which hold the shards as nn.Parameters.
+// generator, sliced, after the check above (collective over the group). Shared with the Python modules,
+// which hold the shards as nn.Parameters.
 struct LinearShards {
   at::Tensor weight;
   at::Tensor bias; // undefined without bias

@@ -15,11 +15,14 @@
 //   gather_from_sequence_parallel       all-gather along dim 0       | reduce-scatter along dim 0
 //   reduce_scatter_to_sequence_parallel reduce-scatter along dim 0   | all-gather along dim 0
 //
-// A split dimension must divide by the group's size; the error names the dimension and the sizes.
+// A split dimension must divide by the group's size; the error names the dimension and the sizes, and
+// the layer when a layer passes its `name` ("blocks.3.mlp.down: reduce_scatter_to_sequence_parallel: ...").
 #pragma once
 #include <torchpar/common/c10d_fwd.h>
 
 #include <ATen/core/Tensor.h>
+
+#include <string>
 
 namespace torchpar::tensor_parallel {
 
@@ -27,21 +30,23 @@ using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 at::Tensor copy_to_tensor_parallel(const at::Tensor& input, const Group& group);
 at::Tensor reduce_from_tensor_parallel(const at::Tensor& input, const Group& group);
-at::Tensor scatter_to_tensor_parallel(const at::Tensor& input, const Group& group);
+at::Tensor scatter_to_tensor_parallel(const at::Tensor& input, const Group& group, const std::string& name = "");
 at::Tensor gather_from_tensor_parallel(const at::Tensor& input, const Group& group);
 
-at::Tensor scatter_to_sequence_parallel(const at::Tensor& input, const Group& group);
+at::Tensor scatter_to_sequence_parallel(const at::Tensor& input, const Group& group, const std::string& name = "");
 at::Tensor gather_from_sequence_parallel(const at::Tensor& input, const Group& group);
-at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& input, const Group& group);
+at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& input, const Group& group,
+                                               const std::string& name = "");
 
 // The collectives themselves, without autograd: new tensors, the input left as it was.
 namespace collectives {
 at::Tensor all_reduce_sum(const at::Tensor& input, const Group& group);
 at::Tensor all_reduce_max(const at::Tensor& input, const Group& group);
 at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group);
-at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, const Group& group);
-// A copy of this rank's equal slice of `input` along `dim`; `what` names the caller in the error.
-at::Tensor local_slice(const at::Tensor& input, int64_t dim, const Group& group, const char* what);
+// `what` names the caller in the error of a dimension that does not divide by the group's size.
+at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, const Group& group, const std::string& what);
+// A copy of this rank's equal slice of `input` along `dim`.
+at::Tensor local_slice(const at::Tensor& input, int64_t dim, const Group& group, const std::string& what);
 } // namespace collectives
 
 int group_rank(const Group& group);
