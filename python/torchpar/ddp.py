@@ -119,9 +119,15 @@ def _find_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """Data parallelism over a process group: each rank holds a replica of ``module``; backward
     averages gradients across ranks in buckets whose all-reduce overlaps the rest of backward.
+
+    A subclass of torch's ``DistributedDataParallel`` with torchpar's engine behind it (torch's
+    constructor is never run, so no torch Reducer exists): every ``isinstance`` check of another
+    library, torch.distributed.checkpoint's ``get_model_state_dict``/``set_model_state_dict`` (bare keys)
+    and Lightning's unwrapping treat it as torch's. torch methods that only make sense on torch's
+    Reducer raise ``NotImplementedError`` naming themselves.
 
     The signature is torch's (torch 2.15), argument for argument, so positional calls land on the same
     parameters. ``device_ids`` may name at most one device (one replica per process); ``output_device``
@@ -156,7 +162,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward_sync_buffers: bool | None = None,
         lazy_bucket_allocation: bool = False,
     ) -> None:
-        super().__init__()
+        # torch's __init__ would build its own Reducer: only the bases' constructors run.
+        nn.Module.__init__(self)
         Joinable.__init__(self)
         for name, value in (
             ("delay_all_reduce_named_params", delay_all_reduce_named_params),
@@ -264,6 +271,27 @@ class DistributedDataParallel(nn.Module, Joinable):
         """torch's deprecated name of ``forward_sync_buffers``."""
         return self.forward_sync_buffers
 
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @property
+    def require_manual_backward_finalization(self) -> bool:
+        """torchpar finalises every backward itself (torch's default)."""
+        return False
+
+    @require_manual_backward_finalization.setter
+    def require_manual_backward_finalization(self, required: bool) -> None:
+        if required:
+            raise NotImplementedError(
+                "torchpar.DistributedDataParallel does not implement manual backward finalization; its reducer "
+                "finalises each backward itself"
+            )
+
+    @property
+    def should_finalize_after_backward(self) -> bool:
+        return False
+
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: list[str]) -> None:
         """torch's hook for leaving parameters and buffers (by fully qualified name) out of DDP: they are
@@ -284,7 +312,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)
         self.process_group = dist.distributed_c10d._get_default_group()
         # No collective here: a copy is made on one rank alone, and its replica is already complete.
         self._data_group = None
@@ -376,6 +404,54 @@ class DistributedDataParallel(nn.Module, Joinable):
         else:
             self._coordinator.register_comm_hook(state, hook)
 
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """The part of torch's DDP logging data torchpar knows (Lightning reads it at teardown)."""
+        return {
+            "module_name": type(self.module).__name__,
+            "world_size": self.process_group.size(),
+            "backend_name": self.process_group.name(),
+            "bucket_cap_bytes": int(self.bucket_cap_mb * 1024 * 1024),
+            "find_unused_parameters": self.find_unused_parameters,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+            "static_graph": self.static_graph,
+            "can_set_static_graph": False,
+        }
+
     def bucket_indices(self) -> list[list[int]]:
         """The gradient buckets in all-reduce order, as indices into ``module.parameters()`` that require grad."""
         return self._coordinator.bucket_indices()
+
+
+# torch's methods that need no Reducer of torch's: inherited as they are.
+_INHERITED_FROM_TORCH = {
+    "_get_active_ddp_module",
+    "_inside_ddp_forward",
+    "_get_data_parallel_params",
+    "_distributed_rank",
+    "_log_and_throw",
+    "scatter",
+    "to_kwargs",
+    "gather",
+    "train",
+}
+
+
+def _refusal(name: str) -> Any:
+    def refuse(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"torchpar.DistributedDataParallel does not implement {name} of torch's DistributedDataParallel (it "
+            "works on torch's Reducer, which torchpar's engine replaces); use torch's DistributedDataParallel "
+            "where you need it"
+        )
+
+    refuse.__name__ = name
+    return refuse
+
+
+# Every other torch method would reach for attributes torch's constructor makes (self.reducer, ...) and fail
+# with an AttributeError that names neither the method nor the reason.
+for _name, _value in vars(torch.nn.parallel.DistributedDataParallel).items():
+    if _name.startswith("__") or _name in vars(DistributedDataParallel) or _name in _INHERITED_FROM_TORCH:
+        continue
+    if callable(_value) or isinstance(_value, (property, staticmethod, classmethod)):
+        setattr(DistributedDataParallel, _name, _refusal(_name))

@@ -1,6 +1,6 @@
-"""torchpar.DistributedDataParallel as a drop-in for torch's: the same signature, pickling and deepcopy,
-torch's generic Join context manager (join_hook), _set_static_graph, parameters to ignore, per-bucket caps,
-init_sync, device meshes, and clear refusals of what it does not implement."""
+"""torchpar.DistributedDataParallel as a drop-in for torch's: a subclass of it, the same signature, pickling and
+deepcopy, torch's generic Join context manager (join_hook), _set_static_graph, parameters to ignore, per-bucket
+caps, init_sync, device meshes, and clear refusals of what it does not implement."""
 import copy
 import inspect
 import io
@@ -39,6 +39,27 @@ def positional_arguments_land_where_torchs_do(rank, world):
 
 def test_positional_arguments_land_where_torchs_do():
     assert run_on_ranks(2, positional_arguments_land_where_torchs_do) == [True, True]
+
+
+def a_subclass_of_torchs(rank, world):
+    ddp = torchpar.DistributedDataParallel(make_model("mlp"))
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+    assert not hasattr(ddp, "reducer"), "torch's constructor ran: it built a Reducer of its own"
+    # What other libraries read of torch's DDP (Lightning: at teardown; torch.compile: the active module).
+    assert ddp._get_ddp_logging_data()["world_size"] == world
+    assert torch.nn.parallel.DistributedDataParallel._get_active_ddp_module() is None
+    ddp.broadcast_buffers = False
+    assert not ddp.forward_sync_buffers and not ddp.require_manual_backward_finalization
+    # torch's methods on its own Reducer say so instead of an AttributeError about 'reducer'.
+    for call in (lambda: ddp._register_fused_optim(torch.optim.SGD, lr=0.1), ddp._check_reducer_finalized,
+                 ddp.finalize_backward):
+        with pytest.raises(NotImplementedError, match="does not implement .* of torch's DistributedDataParallel"):
+            call()
+    return True
+
+
+def test_it_is_a_torch_distributed_data_parallel_with_torchpars_engine():
+    assert run_on_ranks(2, a_subclass_of_torchs) == [True, True]
 
 
 def train_steps(ddp, model, reference, world, rank, steps, seed):
