@@ -3,6 +3,7 @@
 //
 //   ./scripts/setup.sh                  # also writes data/docstrings.txt
 //   torchrun --nproc-per-node=8 --no-python build/examples/cpp/train_gpt --data-parallel 2 --pipeline 2 --tensor 2
+//   (without --data-parallel it is the world / (pipeline x tensor))
 //   build/examples/cpp/train_gpt        # one process: the same loss curve
 //   options: [--data data/docstrings.txt] [--layers 4] [--width 64] [--heads 4] [--context 64]
 //            [--batch-size 16] [--microbatches 2] [--steps 300] [--lr 3e-3] [--clip 1] [--seed 0]
@@ -56,7 +57,7 @@ constexpr int64_t kVocab = 128; // printable ASCII: one byte, one token
 
 struct Arguments {
   std::string data = "data/docstrings.txt";
-  int data_parallel = 1, pipeline = 1, tensor = 1;
+  int data_parallel = 0, pipeline = 1, tensor = 1; // data_parallel 0: the world / (pipeline x tensor)
   int64_t layers = 4, width = 64, heads = 4, context = 64, batch_size = 16;
   int microbatches = 2;
   int64_t steps = 300;
@@ -92,8 +93,16 @@ Arguments parse(int argc, char** argv) {
   return a;
 }
 
-// What is wrong with the options for this world, or "".
-std::string problem_with(const Arguments& a, int world) {
+// What is wrong with the options for this world, or ""; infers --data-parallel when it is not given.
+std::string problem_with(Arguments& a, int world) {
+  if (a.data_parallel == 0) {
+    if (world % (a.pipeline * a.tensor) != 0) {
+      return "the world's " + std::to_string(world) + " ranks do not divide into --pipeline " +
+             std::to_string(a.pipeline) + " x --tensor " + std::to_string(a.tensor) +
+             " (the data-parallel size is inferred from them)";
+    }
+    a.data_parallel = world / (a.pipeline * a.tensor);
+  }
   if (a.data_parallel * a.pipeline * a.tensor != world) {
     return "--data-parallel x --pipeline x --tensor = " + std::to_string(a.data_parallel * a.pipeline * a.tensor) +
            ", but the world has " + std::to_string(world) + " ranks";

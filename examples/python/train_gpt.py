@@ -4,6 +4,7 @@ parallelism: data x pipeline x tensor.
     python3 scripts/export_text.py                     # once (scripts/setup.sh does it): data/docstrings.txt
     torchrun --nproc-per-node=8 examples/python/train_gpt.py --data-parallel 2 --pipeline 2 --tensor 2
     torchrun --nproc-per-node=2 examples/python/train_gpt.py --tensor 2 --backend shm
+    torchrun --nproc-per-node=4 examples/python/train_gpt.py --pipeline 2      # 2 data-parallel replicas inferred
     python3 examples/python/train_gpt.py               # one process: the same loss curve
 
 The model: a vocabulary-parallel token embedding (plus replicated positions), --layers pre-LayerNorm
@@ -50,7 +51,8 @@ VOCAB = 128  # printable ASCII: one byte, one token
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=pathlib.Path, default=DATA, help="written by scripts/export_text.py")
-    parser.add_argument("--data-parallel", type=int, default=1, metavar="D")
+    parser.add_argument("--data-parallel", type=int, default=None, metavar="D",
+                        help="replicas (default: the world's ranks / (pipeline x tensor), as torchtitan infers it)")
     parser.add_argument("--pipeline", type=int, default=1, metavar="P", help="pipeline stages")
     parser.add_argument("--tensor", type=int, default=1, metavar="T", help="tensor-parallel size")
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
@@ -70,7 +72,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace, world: int) -> str | None:
-    """What is wrong with the options for this world, or None."""
+    """What is wrong with the options for this world, or None; infers --data-parallel when it is not given."""
+    if args.data_parallel is None:
+        if world % (args.pipeline * args.tensor):
+            return (f"the world's {world} ranks do not divide into --pipeline {args.pipeline} x --tensor "
+                    f"{args.tensor} (the data-parallel size is inferred from them)")
+        args.data_parallel = world // (args.pipeline * args.tensor)
     grid = args.data_parallel * args.pipeline * args.tensor
     if grid != world:
         return (f"--data-parallel {args.data_parallel} x --pipeline {args.pipeline} x --tensor {args.tensor} = "

@@ -349,7 +349,7 @@ TEST_CASE("plan: a pipeline of tensor groups splits each stage's layers, and dat
   // 2 x (0.5 + 0.5) = 2 (the first layer has no input gradient to sum). Stage 1 (column, row): forward 3,
   // backward 2 + the column's input-gradient all-reduce 1 = 3. GPipe: 3 + 3 + 3 + 2.
   const auto p = plan::predict(model, net, batch_of(8), pipe);
-  CHECK(p.configuration.describe() == "pipeline gpipe, 2 stages x 2 tensor, 1 micro-batches");
+  CHECK(p.configuration.describe() == "pipeline gpipe, 2 stages x 2 tensor, 1 micro-batch");
   CHECK(p.balance == std::vector<int64_t>{2, 2});
   CHECK(p.step_ms == Approx(11));
   // Half of each of its stage's 2 layers x (parameters, gradients, momentum), and the stage's activations.
@@ -364,7 +364,7 @@ TEST_CASE("plan: a pipeline of tensor groups splits each stage's layers, and dat
   pipe.replicas = 2;
   net.all_reduce = net.all_gather = {7, 0};
   const auto grid = plan::predict(model, net, batch_of(16), pipe);
-  CHECK(grid.configuration.describe() == "pipeline gpipe, 2 stages x 2 tensor x 2 replicas, 1 micro-batches");
+  CHECK(grid.configuration.describe() == "pipeline gpipe, 2 stages x 2 tensor x 2 replicas, 1 micro-batch");
   CHECK(grid.step_ms == Approx(11 + 1));
   CHECK(grid.memory_per_rank == 4 * kMiB + 2 * 800);
 

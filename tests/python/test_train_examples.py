@@ -207,7 +207,8 @@ def python_gpt_on_one_process(text, tmp_path_factory) -> list[float]:
 
 def test_python_train_gpt_on_2x2x2_follows_the_one_process_curve(python_gpt_on_one_process, free_port, tmp_path):
     script = ROOT / "examples" / "python" / "train_gpt.py"
-    losses = gpt_losses(["--nproc-per-node=8", f"--master-port={free_port}", script, "--data-parallel", 2,
+    # --data-parallel left out: 8 ranks / (2 pipeline x 2 tensor) = 2 replicas, inferred.
+    losses = gpt_losses(["--nproc-per-node=8", f"--master-port={free_port}", script,
                          "--pipeline", 2, "--tensor", 2, "--backend", "shm", "--steps", GPT_STEPS], tmp_path, (2, 2, 2))
     same_curve(losses, python_gpt_on_one_process, "Python, 2 x 2 x 2 on shm against one process")
 
@@ -217,8 +218,8 @@ def test_cpp_train_gpt_follows_the_same_curve(build_dir, python_gpt_on_one_proce
     binary = build_dir / "examples" / "cpp" / "train_gpt"
     alone = gpt_losses([binary, "--steps", GPT_STEPS], tmp_path, (1, 1, 1))
     same_curve(alone, python_gpt_on_one_process, "C++ against Python, one process")
-    grid = gpt_losses(["--nproc-per-node=8", f"--master-port={free_port}", "--no-python", binary, "--data-parallel",
-                       2, "--pipeline", 2, "--tensor", 2, "--steps", GPT_STEPS], tmp_path, (2, 2, 2))
+    grid = gpt_losses(["--nproc-per-node=8", f"--master-port={free_port}", "--no-python", binary,
+                       "--pipeline", 2, "--tensor", 2, "--steps", GPT_STEPS], tmp_path, (2, 2, 2))
     same_curve(grid, alone, "C++, 2 x 2 x 2 on gloo against one process")
 
 
@@ -229,4 +230,4 @@ def test_train_gpt_refuses_a_grid_that_does_not_fit(build_dir, language):
     result = subprocess.run([*map(str, program), "--tensor", "3"], capture_output=True, text=True, timeout=120,
                             env=clean_env())
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "--tensor" in result.stderr and "1 ranks" in result.stderr, result.stderr
+    assert "--tensor 3" in result.stderr and "1 ranks" in result.stderr, result.stderr

@@ -216,26 +216,35 @@ ModelProfile ModelProfile::scaled_to(double pass_ms) const {
   return scaled;
 }
 
+namespace {
+
+// "1 worker", "2 workers": the plan's table is read by people.
+std::string count_of(int64_t count, const char* noun, const char* plural_ending = "s") {
+  return std::to_string(count) + " " + noun + (count == 1 ? "" : plural_ending);
+}
+
+} // namespace
+
 std::string Configuration::describe() const {
   std::ostringstream out;
   switch (strategy) {
     case Strategy::DataParallel:
-      out << "ddp, " << world << " replicas";
+      out << "ddp, " << count_of(world, "replica");
       break;
     case Strategy::Pipeline:
-      out << "pipeline " << pipeline::schedule_name(schedule) << ", " << world / (replicas * tensor) << " stages";
+      out << "pipeline " << pipeline::schedule_name(schedule) << ", " << count_of(world / (replicas * tensor), "stage");
       if (virtual_stages > 1) out << " (x" << virtual_stages << " virtual)";
       if (tensor > 1) out << " x " << tensor << " tensor";
-      if (replicas > 1) out << " x " << replicas << " replicas";
-      out << ", " << microbatches << " micro-batches";
+      if (replicas > 1) out << " x " << count_of(replicas, "replica");
+      out << ", " << count_of(microbatches, "micro-batch", "es");
       break;
     case Strategy::ParameterServer:
-      out << "ps " << (synchronous ? "bsp" : "asp") << ", " << world - servers << " workers + " << servers
-          << (servers == 1 ? " server" : " servers");
+      out << "ps " << (synchronous ? "bsp" : "asp") << ", " << count_of(world - servers, "worker") << " + "
+          << count_of(servers, "server");
       break;
     case Strategy::TensorParallel:
-      out << "tensor parallel over " << world / replicas << " ranks";
-      if (replicas > 1) out << " x " << replicas << " replicas";
+      out << "tensor parallel over " << count_of(world / replicas, "rank");
+      if (replicas > 1) out << " x " << count_of(replicas, "replica");
       break;
   }
   return out.str();
