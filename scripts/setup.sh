@@ -43,6 +43,11 @@ else
   $PYTHON -m pip install -q -r requirements.txt
 fi
 
+# The real clients tests/clients/ runs torchpar inside (transformers, Lightning), with the torch now installed
+# held fixed: a client's own requirements never change the torch version.
+installed_torch=$($PYTHON -c 'import torch; print(torch.__version__.split("+")[0])')
+$PYTHON -m pip install -q -r tests/clients/requirements.txt -c <(echo "torch==$installed_torch")
+
 # 3. The digits data set for the training examples (examples/{cpp,python}/train_ddp), from the copy
 #    bundled with scikit-learn (no download); written once, kept afterwards.
 if [ -f data/digits.pt ]; then
