@@ -11,6 +11,8 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <variant>
+
 namespace torchpar::bindings {
 
 namespace py = pybind11;
@@ -25,6 +27,39 @@ pp::ScheduleSpec make_spec(const std::string& schedule, int ranks, int microbatc
   spec.microbatches = microbatches;
   spec.virtual_stages = virtual_stages;
   return spec;
+}
+
+// A tied parameter as Python spells it: (layer index, parameter name or position).
+using PyParameterRef = std::tuple<int64_t, std::variant<int64_t, std::string>>;
+using PySharedGroups = std::vector<std::vector<PyParameterRef>>;
+
+std::vector<pp::SharedParameterGroup> from_python(const PySharedGroups& groups) {
+  std::vector<pp::SharedParameterGroup> result;
+  for (const auto& group : groups) {
+    pp::SharedParameterGroup refs;
+    for (const auto& [layer, parameter] : group) {
+      if (const auto* index = std::get_if<int64_t>(&parameter)) {
+        refs.emplace_back(layer, *index);
+      } else {
+        refs.emplace_back(layer, std::get<std::string>(parameter));
+      }
+    }
+    result.push_back(std::move(refs));
+  }
+  return result;
+}
+
+PySharedGroups to_python(const std::vector<pp::SharedParameterGroup>& groups) {
+  PySharedGroups result;
+  for (const auto& group : groups) {
+    std::vector<PyParameterRef> refs;
+    for (const auto& ref : group) {
+      refs.emplace_back(ref.layer, ref.by_name() ? std::variant<int64_t, std::string>(ref.name)
+                                                 : std::variant<int64_t, std::string>(ref.index));
+    }
+    result.push_back(std::move(refs));
+  }
+  return result;
 }
 
 pp::ActionCosts make_costs(double forward, double backward, double backward_input, double backward_weight,
@@ -129,12 +164,14 @@ void bind_pipeline(py::module_& module) {
 
   py::class_<pp::Layer>(pipeline, "Layer")
       .def(py::init([](std::string name, std::function<pp::Tensors(const pp::Tensors&)> forward,
-                       pp::Tensors parameters) {
-             return pp::Layer{std::move(name), std::move(forward), std::move(parameters)};
+                       pp::Tensors parameters, std::vector<std::string> parameter_names) {
+             return pp::Layer{std::move(name), std::move(forward), std::move(parameters), std::move(parameter_names)};
            }),
-           py::arg("name"), py::arg("forward"), py::arg("parameters"))
+           py::arg("name"), py::arg("forward"), py::arg("parameters"),
+           py::arg("parameter_names") = std::vector<std::string>{})
       .def_readonly("name", &pp::Layer::name)
       .def_readonly("parameters", &pp::Layer::parameters)
+      .def_readonly("parameter_names", &pp::Layer::parameter_names)
       .def("__call__", [](const pp::Layer& layer, const pp::Tensors& inputs) { return layer.forward(inputs); },
            py::arg("inputs"));
   pipeline.def(
@@ -144,13 +181,20 @@ void bind_pipeline(py::module_& module) {
       },
       py::arg("name"), py::arg("weight"), py::arg("bias"));
 
+  pipeline.def(
+      "shared_parameters_of",
+      [](const std::vector<pp::Layer>& layers, const PySharedGroups& declared) {
+        return to_python(pp::shared_parameters_of(layers, from_python(declared)));
+      },
+      py::arg("layers"), py::arg("declared"));
+
   py::class_<pp::Pipeline>(pipeline, "Pipeline", py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](std::vector<pp::LayerFactory> factories, pp::LossFn loss,
                        c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                        c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group, const std::string& schedule,
                        int microbatches, int virtual_stages, std::vector<int64_t> balance,
                        const std::string& balance_by, pp::Tensors sample_input, bool checkpoint_activations,
-                       bool loss_on_all_ranks, double bucket_cap_mb) {
+                       bool loss_on_all_ranks, double bucket_cap_mb, const PySharedGroups& shared_parameters) {
              return std::make_unique<pp::Pipeline>(std::move(factories), std::move(loss),
                                                    pp::PipelineOptions()
                                                        .process_group(std::move(process_group))
@@ -163,12 +207,14 @@ void bind_pipeline(py::module_& module) {
                                                        .sample_input(std::move(sample_input))
                                                        .checkpoint_activations(checkpoint_activations)
                                                        .loss_on_all_ranks(loss_on_all_ranks)
-                                                       .bucket_cap_mb(bucket_cap_mb));
+                                                       .bucket_cap_mb(bucket_cap_mb)
+                                                       .shared_parameters(from_python(shared_parameters)));
            }),
            py::arg("factories"), py::arg("loss"), py::arg("process_group"), py::arg("data_parallel_group"),
            py::arg("schedule"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("balance"),
            py::arg("balance_by"), py::arg("sample_input"), py::arg("checkpoint_activations"),
-           py::arg("loss_on_all_ranks"), py::arg("bucket_cap_mb"), py::call_guard<py::gil_scoped_release>())
+           py::arg("loss_on_all_ranks"), py::arg("bucket_cap_mb"), py::arg("shared_parameters"),
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "step",
           [](pp::Pipeline& self, const pp::Tensors& inputs, const std::optional<at::Tensor>& target) {
@@ -182,6 +228,9 @@ void bind_pipeline(py::module_& module) {
       .def("has_last_stage", &pp::Pipeline::has_last_stage)
       .def_property_readonly("balance", &pp::Pipeline::balance)
       .def_property_readonly("partition_report", &pp::Pipeline::partition_report)
+      .def_property_readonly("shared_parameters",
+                             [](const pp::Pipeline& self) { return to_python(self.shared_parameters()); })
+      .def_property_readonly("shared_parameters_report", &pp::Pipeline::shared_parameters_report)
       .def_property_readonly("actions", &pp::Pipeline::actions)
       .def_property_readonly("last_step_timeline", &pp::Pipeline::last_step_timeline)
       .def_property_readonly("last_step_milliseconds", &pp::Pipeline::last_step_milliseconds)

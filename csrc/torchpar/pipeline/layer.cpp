@@ -14,7 +14,10 @@ Layer layer_from_module(const std::string& name, torch::nn::AnyModule module) {
   }
   Layer layer;
   layer.name = name;
-  layer.parameters = module.ptr()->parameters();
+  for (const auto& named : module.ptr()->named_parameters()) {
+    layer.parameter_names.push_back(named.key());
+    layer.parameters.push_back(named.value());
+  }
   layer.forward = [name, module = std::move(module)](const Tensors& inputs) mutable -> Tensors {
     TORCH_CHECK(inputs.size() == 1, "pipeline layer ", name, " is a LibTorch module taking one tensor; it was given ",
                 inputs.size(), " (wrap modules that pass tuples in a torchpar::pipeline::Layer)");

@@ -21,6 +21,9 @@ struct Layer {
   std::string name;
   std::function<Tensors(const Tensors&)> forward;
   Tensors parameters;
+  // The names of `parameters`, in order ("weight", "attn.c_attn.bias"), as the module names them: how
+  // PipelineOptions::shared_parameters and messages address a parameter. Empty: by position only.
+  std::vector<std::string> parameter_names;
 };
 
 // A layer building itself; the pipeline calls only the factories of its own stages, so no rank ever

@@ -105,6 +105,7 @@ Layer linear_layer(const std::string& name, at::Tensor weight, at::Tensor bias) 
   Layer layer;
   layer.name = name;
   layer.parameters = bias.defined() ? Tensors{weight, bias} : Tensors{weight};
+  layer.parameter_names = bias.defined() ? std::vector<std::string>{"weight", "bias"} : std::vector<std::string>{"weight"};
   layer.forward = [name, weight = std::move(weight), bias = std::move(bias)](const Tensors& inputs) -> Tensors {
     TORCH_CHECK(inputs.size() == 1, "pipeline layer ", name, " is a linear layer taking one tensor; it was given ",
                 inputs.size());

@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/arg.h>
 #include <torchpar/common/c10d_fwd.h>
+#include <torchpar/pipeline/shared_parameters.h>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -35,6 +36,11 @@ struct PipelineOptions {
   TORCH_ARG(bool, loss_on_all_ranks) = true;
   // Gradient bytes per all-reduce across replicas.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  // Tied parameters: each group names parameters that are one ({{{0, "weight"}, {11, "weight"}}}: the
+  // input embedding and the LM head). Their copies start equal and each step sums their gradients over
+  // the ranks holding them (shared_gradients.h). Built layers tying one tensor need no declaration:
+  // the pipeline finds it.
+  TORCH_ARG(std::vector<SharedParameterGroup>, shared_parameters);
 };
 
 } // namespace torchpar::pipeline

@@ -5,6 +5,7 @@
 #include <torchpar/pipeline/p2p.h>
 #include <torchpar/pipeline/partition.h>
 #include <torchpar/pipeline/replica_gradients.h>
+#include <torchpar/pipeline/shared_gradients.h>
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
@@ -16,6 +17,8 @@
 
 #include <chrono>
 #include <map>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 namespace torchpar::pipeline {
@@ -70,7 +73,8 @@ c10::Device message_device(const c10d::ProcessGroup& group) {
 
 Pipeline::Pipeline(std::vector<LayerFactory> factories, LossFn loss, PipelineOptions options)
     : options_(std::move(options)) {
-  build(std::move(factories), std::move(loss));
+  auto shared = options_.shared_parameters();
+  build(std::move(factories), std::move(loss), std::move(shared));
 }
 
 Pipeline::Pipeline(const std::vector<Layer>& layers, LossFn loss, PipelineOptions options)
@@ -79,7 +83,7 @@ Pipeline::Pipeline(const std::vector<Layer>& layers, LossFn loss, PipelineOption
   for (const auto& layer : layers) {
     factories.push_back([layer] { return layer; });
   }
-  build(std::move(factories), std::move(loss));
+  build(std::move(factories), std::move(loss), shared_parameters_of(layers, options_.shared_parameters()));
 }
 
 Pipeline::~Pipeline() = default;
@@ -118,7 +122,7 @@ void Pipeline::plan_partition(const std::vector<LayerFactory>& factories) {
   }
 }
 
-void Pipeline::build(std::vector<LayerFactory> factories, LossFn loss) {
+void Pipeline::build(std::vector<LayerFactory> factories, LossFn loss, std::vector<SharedParameterGroup> shared) {
   TORCH_CHECK(options_.process_group(), "pipeline: PipelineOptions.process_group is required");
   TORCH_CHECK(loss, "pipeline: a loss function is required (it runs on the last stage)");
   auto& group = *options_.process_group();
@@ -136,12 +140,12 @@ void Pipeline::build(std::vector<LayerFactory> factories, LossFn loss) {
   TORCH_CHECK(!nccl || spec_.kind == ScheduleKind::OneFOneB || spec_.kind == ScheduleKind::ZeroBubbleH1,
               "pipeline schedule ", schedule_name(spec_.kind), " is not supported on NCCL yet (1f1b and zero_bubble "
               "are); use backend gloo, or cpu:gloo,cuda:gloo");
+  shared = merge_shared_parameters(std::move(shared), static_cast<int64_t>(factories.size()));
   plan_partition(factories);
   actions_ = rank_actions(spec_, rank_);
 
   const auto boundaries = stage_boundaries(balance_);
   const bool split = spec_.kind == ScheduleKind::ZeroBubbleH1;
-  std::vector<std::vector<at::Tensor>> stage_parameters;
   for (int stage = rank_; stage < spec_.stages(); stage += spec_.ranks) {
     std::vector<Layer> layers;
     for (int64_t layer = boundaries[stage]; layer < boundaries[stage + 1]; ++layer) {
@@ -151,29 +155,71 @@ void Pipeline::build(std::vector<LayerFactory> factories, LossFn loss) {
     stages_.push_back(std::make_unique<PipelineStage>(stage, static_cast<int>(boundaries[stage]), std::move(layers),
                                                       options_.checkpoint_activations(), split,
                                                       last ? loss : LossFn()));
-    stage_parameters.push_back(stages_.back()->parameters());
   }
   const c10::Device device = message_device(group);
   links_ = std::make_unique<StageLinks>(options_.process_group(), device);
   peers_ = PeerProcesses::gather(group, device);
-  if (options_.data_parallel_group() && options_.data_parallel_group()->getSize() > 1) {
-    replica_gradients_ = std::make_unique<ReplicaGradients>(options_.data_parallel_group(),
-                                                            std::move(stage_parameters), options_.bucket_cap_mb());
+  if (!shared.empty()) {
+    std::map<int64_t, const Layer*> local_layers;
+    for (const auto& stage : stages_) {
+      for (size_t layer = 0; layer < stage->layers().size(); ++layer) {
+        local_layers[stage->first_layer() + static_cast<int64_t>(layer)] = &stage->layers()[layer];
+      }
+    }
+    shared_gradients_ = std::make_unique<SharedGradients>(options_.process_group(), std::move(shared), boundaries,
+                                                          local_layers, device);
+    if (rank_ == 0) {
+      LOG(INFO) << "torchpar pipeline: tied parameters\n" << shared_gradients_->report();
+    }
   }
+  auto replica_lists = collect_parameters();
+  if (options_.data_parallel_group() && options_.data_parallel_group()->getSize() > 1) {
+    replica_gradients_ = std::make_unique<ReplicaGradients>(options_.data_parallel_group(), std::move(replica_lists),
+                                                            options_.bucket_cap_mb());
+  }
+}
+
+std::vector<std::vector<at::Tensor>> Pipeline::collect_parameters() {
+  std::unordered_map<const void*, int> holding_stages;
+  for (const auto& stage : stages_) {
+    std::unordered_set<const void*> in_stage;
+    for (const auto& parameter : stage->parameters()) {
+      if (in_stage.insert(parameter.unsafeGetTensorImpl()).second) {
+        ++holding_stages[parameter.unsafeGetTensorImpl()];
+      }
+    }
+  }
+  std::vector<std::vector<at::Tensor>> lists(stages_.size() + 1);
+  std::unordered_set<const void*> listed;
+  for (size_t s = 0; s < stages_.size(); ++s) {
+    for (const auto& parameter : stages_[s]->parameters()) {
+      const void* impl = parameter.unsafeGetTensorImpl();
+      if ((shared_gradients_ && shared_gradients_->is_redundant_copy(parameter)) || !listed.insert(impl).second) {
+        continue;
+      }
+      parameters_.push_back(parameter);
+      const bool late = holding_stages[impl] > 1 || (shared_gradients_ && shared_gradients_->is_shared(parameter));
+      lists[late ? stages_.size() : s].push_back(parameter);
+    }
+  }
+  late_replica_gradients_ = !lists.back().empty();
+  if (!late_replica_gradients_) {
+    lists.pop_back();
+  }
+  return lists;
+}
+
+std::vector<SharedParameterGroup> Pipeline::shared_parameters() const {
+  return shared_gradients_ ? shared_gradients_->groups() : std::vector<SharedParameterGroup>{};
+}
+
+std::string Pipeline::shared_parameters_report() const {
+  return shared_gradients_ ? shared_gradients_->report() : std::string();
 }
 
 PipelineStage& Pipeline::local_stage(int stage) {
   TORCH_INTERNAL_ASSERT(stage_rank(stage) == rank_);
   return *stages_.at(stage / spec_.ranks);
-}
-
-Tensors Pipeline::parameters() const {
-  Tensors parameters;
-  for (const auto& stage : stages_) {
-    auto own = stage->parameters();
-    parameters.insert(parameters.end(), own.begin(), own.end());
-  }
-  return parameters;
 }
 
 std::vector<int> Pipeline::stages() const {
@@ -356,7 +402,15 @@ at::Tensor Pipeline::step(const Tensors& inputs, const at::Tensor& target) {
       links_->wait_sends();
       return 0;
     });
+    // After every W: the copies of a tied parameter get their summed gradient, then (being final)
+    // its average over the replicas, with the other stages' averages already under way.
+    if (shared_gradients_) {
+      shared_gradients_->reduce();
+    }
     if (replica_gradients_) {
+      if (late_replica_gradients_) {
+        replica_gradients_->launch(stages_.size());
+      }
       replica_gradients_->finish();
     }
     step_milliseconds_ = run.milliseconds();

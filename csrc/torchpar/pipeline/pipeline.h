@@ -24,12 +24,15 @@ namespace torchpar::pipeline {
 
 class StageLinks;
 class ReplicaGradients;
+class SharedGradients;
 
 class Pipeline {
  public:
-  // Builds the layers of this rank's stages only (`factories` has one entry per layer of the model).
+  // Builds the layers of this rank's stages only (`factories` has one entry per layer of the model);
+  // tied parameters are those options.shared_parameters declares.
   Pipeline(std::vector<LayerFactory> factories, LossFn loss, PipelineOptions options);
-  // All layers already built (small models, tests); this rank keeps only its own.
+  // All layers already built (small models, tests); this rank keeps only its own. A tensor that two
+  // layers list is tied too, without a declaration.
   Pipeline(const std::vector<Layer>& layers, LossFn loss, PipelineOptions options);
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
@@ -38,7 +41,7 @@ class Pipeline {
   // One training step on a batch: split into equal micro-batches along dimension 0 (a batch size
   // that does not divide is refused before anything is sent), run the schedule,
   // accumulate every stage's gradients (averaged over the batch, as a mean loss over it would give),
-  // average them over the data-parallel replicas. Returns the batch's mean loss (on every rank, or
+  // sum a tied parameter's over the ranks holding a copy, average them over the data-parallel replicas. Returns the batch's mean loss (on every rank, or
   // only on the last stage's rank — undefined elsewhere — see loss_on_all_ranks). `inputs` matter
   // on the first stage's rank, `target` on the last's; other ranks may pass undefined tensors.
   at::Tensor step(const Tensors& inputs, const at::Tensor& target);
@@ -48,8 +51,12 @@ class Pipeline {
   // cuts); the last stage's outputs on its rank, empty elsewhere.
   Tensors forward(const Tensors& inputs);
 
-  // This rank's parameters (what its optimizer steps on).
-  Tensors parameters() const;
+  // This rank's parameters (what its optimizer steps on), a tied parameter once.
+  Tensors parameters() const { return parameters_; }
+  // The tied parameters, declared and found, merged (merge_shared_parameters); empty: none.
+  std::vector<SharedParameterGroup> shared_parameters() const;
+  // One line per tied group: its stages and ranks, where its values came from.
+  std::string shared_parameters_report() const;
   // The global indices of this rank's stages.
   std::vector<int> stages() const;
   bool has_last_stage() const;
@@ -72,7 +79,10 @@ class Pipeline {
  private:
   class StepRun;  // one step's state and its action switch
 
-  void build(std::vector<LayerFactory> factories, LossFn loss);
+  void build(std::vector<LayerFactory> factories, LossFn loss, std::vector<SharedParameterGroup> shared);
+  // This rank's parameters once each, and the data-parallel averaging's lists: per local stage, then
+  // those whose gradients are final only at the end of the step (tied, or in several local stages).
+  std::vector<std::vector<at::Tensor>> collect_parameters();
   void plan_partition(const std::vector<LayerFactory>& factories);
   PipelineStage& local_stage(int stage);
   void check_usable(const char* call) const;
@@ -96,7 +106,10 @@ class Pipeline {
   bool failed_ = false;
   std::vector<std::unique_ptr<PipelineStage>> stages_;  // this rank's, in increasing stage order
   std::unique_ptr<StageLinks> links_;
+  std::unique_ptr<SharedGradients> shared_gradients_;
   std::unique_ptr<ReplicaGradients> replica_gradients_;
+  bool late_replica_gradients_ = false;  // the replicas' last list: the parameters shared by stages
+  Tensors parameters_;
   PeerProcesses peers_;  // to name the rank that died or stopped in a failed step's error
 };
 

@@ -40,6 +40,9 @@ class PipelineStage {
   void backward_weight(int microbatch);
 
   int index() const { return index_; }
+  // The model index of layers()[0].
+  int first_layer() const { return first_layer_; }
+  const std::vector<Layer>& layers() const { return layers_; }
   bool is_last() const { return static_cast<bool>(loss_); }
   Tensors parameters() const;
   // "stage 1 (layers 3-5)"

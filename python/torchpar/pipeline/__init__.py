@@ -42,6 +42,8 @@ balanced_partition = _engine.balanced_partition
 uniform_partition = _engine.uniform_partition
 
 LayerSpec = Union[nn.Module, Callable[[], nn.Module]]
+# One parameter of one layer: (layer index or name, parameter name or position), or "layer.parameter.path".
+ParameterSpec = Union[str, tuple[Union[int, str], Union[str, int]]]
 
 
 def _as_tensors(value) -> list[torch.Tensor]:
@@ -65,7 +67,29 @@ def _layer(name: str, module: nn.Module) -> _engine.Layer:
     if _plain_linear(module):
         # Its backward adds the weight gradient into .grad with one addmm_ (see linear_layer.h).
         return _engine.linear_layer(name, module.weight, module.bias)
-    return _engine.Layer(name, lambda tensors: _as_tensors(module(*tensors)), list(module.parameters()))
+    named = list(module.named_parameters())
+    return _engine.Layer(name, lambda tensors: _as_tensors(module(*tensors)), [p for _, p in named],
+                         [n for n, _ in named])
+
+
+def _parameter_ref(member: ParameterSpec, names: list[str]) -> tuple[int, str | int]:
+    """A member of a ``shared_parameters`` group as the engine addresses it: (layer index, name or position)."""
+    if isinstance(member, str):
+        layer, _, parameter = member.partition(".")
+        if not parameter:
+            raise ValueError(f"shared_parameters: {member!r} names no parameter; write 'layer.parameter' "
+                             f"(e.g. '{names[0] if names else 0}.weight') or (layer, 'parameter')")
+    elif isinstance(member, (tuple, list)) and len(member) == 2:
+        layer, parameter = member
+    else:
+        raise TypeError(f"shared_parameters: {member!r} is not (layer, parameter name or position) nor 'layer.parameter'")
+    if isinstance(layer, str):
+        if layer not in names:
+            raise ValueError(f"shared_parameters: no layer named {layer!r}; the layers are {names}")
+        layer = names.index(layer)
+    if isinstance(parameter, bool) or not isinstance(parameter, (int, str)) or not isinstance(layer, int):
+        raise TypeError(f"shared_parameters: {member!r} is not (layer, parameter name or position)")
+    return int(layer), parameter
 
 
 class Pipeline:
@@ -88,6 +112,12 @@ class Pipeline:
         checkpoint: recompute each stage's forward in backward instead of keeping its activations.
         loss_on: ``"all"`` (every rank gets the loss) or ``"last"`` (only the last stage's rank;
             ``None`` elsewhere, no broadcast).
+        shared_parameters: tied parameters, groups of parameters that are one (GPT-2's embedding and
+            LM head): each member ``(layer, parameter)`` (layer index or name, parameter name as the
+            layer's ``named_parameters`` says, or position) or ``"layer.parameter"``, e.g.
+            ``[[(0, "weight"), (11, "weight")]]``. Layers given as modules need none for a parameter
+            object two of them hold: it is found. The copies start equal (the lowest layer's values)
+            and each step sums their gradients over the ranks holding them.
     """
 
     def __init__(
@@ -105,6 +135,7 @@ class Pipeline:
         checkpoint: bool = False,
         loss_on: str = "all",
         bucket_cap_mb: float = 25.0,
+        shared_parameters: Sequence[Sequence[ParameterSpec]] | None = None,
     ):
         if loss_on not in ("all", "last"):
             raise ValueError(f"loss_on must be 'all' or 'last', got {loss_on!r}")
@@ -125,6 +156,10 @@ class Pipeline:
 
             return build
 
+        declared = [[_parameter_ref(member, names) for member in group] for group in shared_parameters or []]
+        if all(isinstance(spec, nn.Module) for spec in specs):
+            # Every layer is at hand: the engine finds the parameter objects two layers share.
+            declared = _engine.shared_parameters_of([_layer(names[i], spec) for i, spec in enumerate(specs)], declared)
         explicit = [int(n) for n in balance] if balance is not None and not isinstance(balance, str) else []
         balance_by = balance if isinstance(balance, str) else "uniform"
         samples = [] if sample_input is None else _as_tensors(sample_input)
@@ -146,6 +181,7 @@ class Pipeline:
             checkpoint,
             loss_on == "all",
             bucket_cap_mb,
+            declared,
         )
         boundaries = [0]
         for count in self._engine.balance:
@@ -162,6 +198,8 @@ class Pipeline:
         if group.rank() == 0:
             logger.info("pipeline partition (%s, %d micro-batches):\n%s", schedule, microbatches,
                         self._engine.partition_report.rstrip())
+            if self._engine.shared_parameters_report:
+                logger.info("pipeline tied parameters:\n%s", self._engine.shared_parameters_report.rstrip())
 
     def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None, target: torch.Tensor | None = None):
         """Forward and backward of one batch; gradients accumulate into this rank's parameters."""
@@ -177,8 +215,13 @@ class Pipeline:
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def parameters(self) -> list[torch.Tensor]:
-        """This rank's parameters: what its optimizer steps on."""
+        """This rank's parameters: what its optimizer steps on (a tied parameter once)."""
         return self._engine.parameters()
+
+    @property
+    def shared_parameters(self) -> list[list[tuple[int, str | int]]]:
+        """The tied parameters, declared and found: groups of (layer index, parameter name or position)."""
+        return self._engine.shared_parameters
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's stages (their layers' parameters and buffers) and the cut they belong to: what
@@ -214,6 +257,11 @@ class Pipeline:
     @property
     def partition_report(self) -> str:
         return self._engine.partition_report
+
+    @property
+    def shared_parameters_report(self) -> str:
+        """One line per tied group: its stages and ranks, where its values came from (logged on rank 0)."""
+        return self._engine.shared_parameters_report
 
     @property
     def actions(self):
