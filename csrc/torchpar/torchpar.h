@@ -16,6 +16,7 @@
 #include <torchpar/ps/embedding.h>
 #include <torchpar/ps/remote_parameters.h>
 #include <torchpar/ps/service.h>
+#include <torchpar/sharded/sharded_data_parallel.h>
 #include <torchpar/tensor_parallel/cross_entropy.h>
 #include <torchpar/tensor_parallel/layer_norm.h>
 #include <torchpar/tensor_parallel/layers.h>

@@ -14,6 +14,7 @@ void bind_ddp(pybind11::module_& module);
 void bind_pipeline(pybind11::module_& module);
 void bind_plan(pybind11::module_& module);
 void bind_ps(pybind11::module_& module);
+void bind_sharded(pybind11::module_& module);
 void bind_tensor_parallel(pybind11::module_& module);
 
 } // namespace torchpar::bindings

@@ -22,5 +22,6 @@ PYBIND11_MODULE(_C, module) {
   torchpar::bindings::bind_pipeline(module);
   torchpar::bindings::bind_plan(module);
   torchpar::bindings::bind_ps(module);
+  torchpar::bindings::bind_sharded(module);
   torchpar::bindings::bind_tensor_parallel(module);
 }

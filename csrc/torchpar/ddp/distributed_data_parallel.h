@@ -9,6 +9,7 @@
 //
 // The wrapped module keeps its parameters; the optimizer is built on model->parameters() as usual.
 #pragma once
+#include <torchpar/common/module_tensors.h>
 #include <torchpar/ddp/options.h>
 #include <torchpar/ddp/replica_coordinator.h>
 
@@ -24,9 +25,6 @@
 namespace torchpar::ddp {
 
 namespace detail {
-NamedTensors named_parameters(const torch::nn::Module& module);
-NamedTensors named_buffers(const torch::nn::Module& module);
-
 inline void collect_tensors(const at::Tensor& tensor, std::vector<at::Tensor>& out) {
   out.push_back(tensor);
 }
@@ -71,7 +69,7 @@ class DistributedDataParallel {
   DistributedDataParallel(ModuleHolder module, DistributedDataParallelOptions options)
       : module_(std::move(module)),
         coordinator_(std::make_unique<ReplicaCoordinator>(
-            detail::named_parameters(*module_), detail::named_buffers(*module_), std::move(options))) {}
+            named_parameters_of(*module_), named_buffers_of(*module_), std::move(options))) {}
 
   template <typename... Args>
   auto forward(Args&&... args) {

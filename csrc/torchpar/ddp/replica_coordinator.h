@@ -4,6 +4,7 @@
 // the Reducer; no_sync; and join, which lets ranks that ran out of data shadow the others' collectives.
 #pragma once
 #include <torchpar/common/peer_processes.h>
+#include <torchpar/common/replica_check.h>
 #include <torchpar/ddp/options.h>
 
 #include <ATen/core/Tensor.h>
@@ -24,7 +25,7 @@ namespace torchpar::ddp {
 class Reducer;
 class Timeline;
 
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+using NamedTensors = torchpar::NamedTensors;
 
 class ReplicaCoordinator {
  public:

@@ -1,8 +1,10 @@
-#include <torchpar/ddp/distributed_data_parallel.h>
+#include <torchpar/common/module_tensors.h>
 
-namespace torchpar::ddp::detail {
+#include <torch/nn/module.h>
 
-NamedTensors named_parameters(const torch::nn::Module& module) {
+namespace torchpar {
+
+NamedTensors named_parameters_of(const torch::nn::Module& module) {
   NamedTensors result;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     result.emplace_back(item.key(), item.value());
@@ -10,7 +12,7 @@ NamedTensors named_parameters(const torch::nn::Module& module) {
   return result;
 }
 
-NamedTensors named_buffers(const torch::nn::Module& module) {
+NamedTensors named_buffers_of(const torch::nn::Module& module) {
   NamedTensors result;
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     result.emplace_back(item.key(), item.value());
@@ -18,4 +20,4 @@ NamedTensors named_buffers(const torch::nn::Module& module) {
   return result;
 }
 
-} // namespace torchpar::ddp::detail
+} // namespace torchpar

@@ -1,0 +1,43 @@
+// torchpar._C.sharded: the C++ sharded data parallelism engine under python/torchpar/sharded.py.
+#include <torchpar/bindings/bindings.h>
+
+#include <torchpar/sharded/sharded_coordinator.h>
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace torchpar::bindings {
+
+namespace py = pybind11;
+using torchpar::sharded::ShardedCoordinator;
+
+void bind_sharded(py::module_& module) {
+  auto sharded = module.def_submodule("sharded", "C++ sharded data parallelism engine (ZeRO stages 1 and 2)");
+  py::class_<ShardedCoordinator>(sharded, "ShardedCoordinator", py::release_gil_before_calling_cpp_dtor())
+      .def(py::init([](NamedTensors parameters, NamedTensors buffers,
+                       c10::intrusive_ptr<c10d::ProcessGroup> process_group, int stage, double bucket_cap_mb,
+                       bool broadcast_buffers) {
+             return std::make_unique<ShardedCoordinator>(std::move(parameters), std::move(buffers),
+                                                         sharded::ShardedOptions()
+                                                             .process_group(std::move(process_group))
+                                                             .stage(stage)
+                                                             .bucket_cap_mb(bucket_cap_mb)
+                                                             .broadcast_buffers(broadcast_buffers));
+           }),
+           py::arg("parameters"), py::arg("buffers"), py::arg("process_group"), py::arg("stage"),
+           py::arg("bucket_cap_mb"), py::arg("broadcast_buffers"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("shard", &ShardedCoordinator::shard)
+      .def_property_readonly("stage", &ShardedCoordinator::stage)
+      .def_property("grad_sync", &ShardedCoordinator::grad_sync, &ShardedCoordinator::set_grad_sync)
+      .def("will_sync", &ShardedCoordinator::will_sync)
+      .def("pre_forward", &ShardedCoordinator::pre_forward, py::arg("will_sync"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("gather_parameters", &ShardedCoordinator::gather_parameters, py::call_guard<py::gil_scoped_release>())
+      .def("clip_grad_norm", &ShardedCoordinator::clip_grad_norm, py::arg("max_norm"), py::arg("norm_type") = 2.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("zero_parameter_gradients", &ShardedCoordinator::zero_parameter_gradients)
+      .def_property_readonly("bytes_sent_last_step", &ShardedCoordinator::bytes_sent_last_step)
+      .def_property_readonly("reduce_scatter_bytes",
+                             [](const ShardedCoordinator& c) { return c.layout().reduce_scatter_bytes(); });
+}
+
+} // namespace torchpar::bindings

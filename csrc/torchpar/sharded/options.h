@@ -1,0 +1,24 @@
+// Options of torchpar's sharded data parallelism, in LibTorch's builder style:
+//   ShardedOptions().process_group(group).stage(2).bucket_cap_mb(25)
+#pragma once
+#include <torch/arg.h>
+#include <torchpar/common/c10d_fwd.h>
+
+#include <c10/util/intrusive_ptr.h>
+
+namespace torchpar::sharded {
+
+struct ShardedOptions {
+  // The data-parallel group the state is sharded over (required).
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
+  // ZeRO's stage: 1 shards the optimizer state (each rank keeps its full local gradients until zero_grad),
+  // 2 also the gradients (a parameter's gradient is released once its bucket is reduce-scattered).
+  TORCH_ARG(int, stage) = 2;
+  // Gradient bytes per reduce-scatter (and per all-gather of the updated parameters).
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  // Rank 0's buffers (BatchNorm's running statistics) copied to every rank before each synchronised forward,
+  // as DDP's broadcast_buffers.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+};
+
+} // namespace torchpar::sharded

@@ -1,0 +1,262 @@
+#include <torchpar/sharded/sharded_coordinator.h>
+
+#include <torchpar/common/bucket_assignment.h>
+#include <torchpar/common/control_collectives.h>
+#include <torchpar/common/gradient_hooks.h>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <cmath>
+#include <limits>
+#include <unordered_set>
+
+namespace torchpar::sharded {
+namespace {
+
+constexpr size_t kBroadcastBucketBytes = 250u << 20;  // torch DDP's broadcast bucket
+// Buckets whose reduce-scatter may be in flight at once: each holds its gradients' flat copy, so at
+// stage 2 more would hold most of the gradients again.
+constexpr size_t kBucketsInFlight = 2;
+
+// The base-tensor collectives under their pre-2.13 names, which every supported torch has.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+c10::intrusive_ptr<c10d::Work> reduce_scatter(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input) {
+  return group._reduce_scatter_base(output, input, c10d::ReduceScatterOptions{});
+}
+c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input) {
+  return group._allgather_base(output, input, c10d::AllgatherOptions{});
+}
+#pragma GCC diagnostic pop
+
+} // namespace
+
+ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buffers, ShardedOptions options)
+    : buffers_(std::move(buffers)), options_(std::move(options)) {
+  TORCH_CHECK(options_.process_group(),
+              "ShardedDataParallel: no process group; set ShardedOptions::process_group to the group "
+              "torchpar::init_process_group returned");
+  TORCH_CHECK(options_.stage() == 1 || options_.stage() == 2, "ShardedDataParallel: stage ", options_.stage(),
+              " is not one torchpar implements; stages 1 (optimizer state) and 2 (and gradients) are");
+  TORCH_CHECK(options_.bucket_cap_mb() > 0, "ShardedDataParallel: bucket_cap_mb must be > 0, got ",
+              options_.bucket_cap_mb());
+  auto& group = *options_.process_group();
+  // A tensor two modules share (tied weights) is one parameter: its gradient already sums both uses.
+  std::unordered_set<const void*> seen;
+  NamedTensors distinct;
+  for (auto& [name, parameter] : parameters) {
+    if (!seen.insert(parameter.unsafeGetTensorImpl()).second) continue;
+    distinct.emplace_back(name, parameter);
+    if (parameter.requires_grad()) {
+      parameters_.push_back(parameter);
+      names_.push_back(name);
+    }
+  }
+  TORCH_CHECK(!parameters_.empty(),
+              "ShardedDataParallel is not needed when a module doesn't have any parameter that requires a gradient");
+  const at::Device device = parameters_.front().device();
+  check_same_model(group, distinct, buffers_, device, "ShardedDataParallel");
+  {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> state;
+    for (const auto& entry : distinct) state.push_back(entry.second);
+    for (const auto& entry : buffers_) state.push_back(entry.second);
+    c10d::broadcast_coalesced(options_.process_group(), state, kBroadcastBucketBytes, 0);
+  }
+
+  std::vector<int64_t> numels;
+  std::vector<c10::ScalarType> dtypes;
+  for (const auto& parameter : parameters_) {
+    numels.push_back(parameter.numel());
+    dtypes.push_back(parameter.scalar_type());
+  }
+  layout_ = build_shard_layout(numels, dtypes, reverse_registration_order(parameters_.size()),
+                               static_cast<size_t>(options_.bucket_cap_mb() * (1 << 20)), group.getSize());
+  for (const auto& [dtype, length] : layout_.shards) {
+    shard_.push_back(at::zeros({length}, at::TensorOptions().dtype(dtype).device(device)));
+  }
+  const int rank = group.getRank();
+  for (const auto& bucket : layout_.buckets) {
+    auto& shard = shard_[layout_.shard_index(bucket.dtype)];
+    const int64_t piece_start = rank * bucket.piece_numel;
+    for (const auto& slot : bucket.slots) {
+      // The part of this parameter inside this rank's piece of the bucket, if any.
+      const int64_t from = std::max(slot.offset, piece_start);
+      const int64_t to = std::min(slot.offset + slot.numel, piece_start + bucket.piece_numel);
+      if (from >= to) continue;
+      shard.narrow(0, bucket.shard_offset + from - piece_start, to - from)
+          .copy_(parameters_[slot.parameter].detach().reshape(-1).narrow(0, from - slot.offset, to - from));
+    }
+  }
+  for (auto& shard : shard_) shard.set_requires_grad(true);
+  ready_.assign(parameters_.size(), false);
+  pending_.assign(layout_.buckets.size(), 0);
+  hooks_ = std::make_unique<GradientReadyHooks>(parameters_, [this](size_t index) { on_gradient_ready(index); });
+}
+
+ShardedCoordinator::~ShardedCoordinator() = default;
+
+bool ShardedCoordinator::will_sync() const {
+  return grad_sync_ && at::GradMode::is_enabled();
+}
+
+void ShardedCoordinator::pre_forward(bool will_sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(in_flight_.empty(), "ShardedDataParallel: a forward began while the previous backward's gradients "
+              "were still being reduced (did that backward fail?)");
+  if (will_sync && options_.broadcast_buffers() && !buffers_.empty()) {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> buffers;
+    for (const auto& entry : buffers_) buffers.push_back(entry.second);
+    c10d::broadcast_coalesced(options_.process_group(), buffers, kBroadcastBucketBytes, 0);
+  }
+  armed_ = will_sync;
+  backward_started_ = false;
+  ready_.assign(parameters_.size(), false);
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) pending_[b] = layout_.buckets[b].slots.size();
+  next_bucket_ = 0;
+  if (will_sync) bytes_sent_ = 0;
+}
+
+void ShardedCoordinator::on_gradient_ready(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!armed_) return;  // no_sync, or a forward that did not go through the wrapper
+  if (!backward_started_) {
+    backward_started_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  }
+  TORCH_CHECK(!ready_[index], "ShardedDataParallel: parameter ", names_[index],
+              " got its gradient twice in one backward (a reentrant checkpoint, or a second backward through the "
+              "same forward without a forward in between)");
+  ready_[index] = true;
+  --pending_[layout_.location[index].first];
+  launch_ready_buckets();
+}
+
+void ShardedCoordinator::launch_ready_buckets() {
+  // In bucket order only, so that every rank issues the same collectives in the same order.
+  while (next_bucket_ < layout_.buckets.size() && pending_[next_bucket_] == 0) {
+    launch(next_bucket_++);
+  }
+}
+
+void ShardedCoordinator::launch(size_t index) {
+  const auto& bucket = layout_.buckets[index];
+  auto& group = *options_.process_group();
+  const auto& first = parameters_[bucket.slots.front().parameter];
+  at::Tensor input = at::empty({bucket.padded_numel}, first.options().requires_grad(false));
+  int64_t filled = 0;
+  for (const auto& slot : bucket.slots) {
+    auto& parameter = parameters_[slot.parameter];
+    auto destination = input.narrow(0, slot.offset, slot.numel);
+    const auto& grad = parameter.grad();
+    if (grad.defined()) {
+      TORCH_CHECK(grad.layout() == c10::kStrided, "ShardedDataParallel: parameter ", names_[slot.parameter],
+                  " has a sparse gradient; sharded data parallelism handles dense gradients only");
+      destination.view_as(grad).copy_(grad);
+    } else {
+      destination.zero_();  // unused in this backward: it contributes nothing
+    }
+    if (options_.stage() == 2) {
+      parameter.mutable_grad().reset();  // stage 2 keeps only the shard's part, once reduced
+    }
+    filled = slot.offset + slot.numel;
+  }
+  input.narrow(0, filled, bucket.padded_numel - filled).zero_();
+  at::Tensor output = at::empty({bucket.piece_numel}, input.options());
+  auto work = reduce_scatter(group, output, input);
+  bytes_sent_ += bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(input.element_size());
+  in_flight_.push_back({index, std::move(input), std::move(output), std::move(work)});
+  if (in_flight_.size() > kBucketsInFlight) {
+    complete_oldest();
+  }
+}
+
+void ShardedCoordinator::complete_oldest() {
+  InFlight done = std::move(in_flight_.front());
+  in_flight_.erase(in_flight_.begin());
+  done.work->wait();
+  const auto& bucket = layout_.buckets[done.bucket];
+  auto& shard = shard_[layout_.shard_index(bucket.dtype)];
+  at::NoGradGuard no_grad;
+  done.output.div_(options_.process_group()->getSize());
+  if (!shard.grad().defined()) {
+    shard.mutable_grad() = at::zeros_like(shard);
+  }
+  shard.mutable_grad().narrow(0, bucket.shard_offset, bucket.piece_numel).add_(done.output);
+}
+
+void ShardedCoordinator::finish_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  armed_ = false;
+  // Buckets with a parameter this backward did not reach go now, zeros in its place, still in order.
+  while (next_bucket_ < layout_.buckets.size()) {
+    launch(next_bucket_++);
+  }
+  while (!in_flight_.empty()) {
+    complete_oldest();
+  }
+}
+
+void ShardedCoordinator::gather_parameters() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::NoGradGuard no_grad;
+  auto& group = *options_.process_group();
+  for (const auto& bucket : layout_.buckets) {
+    const auto& shard = shard_[layout_.shard_index(bucket.dtype)];
+    at::Tensor piece = shard.detach().narrow(0, bucket.shard_offset, bucket.piece_numel).contiguous();
+    at::Tensor gathered = at::empty({bucket.padded_numel}, piece.options());
+    all_gather(group, gathered, piece)->wait();
+    bytes_sent_ += bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(piece.element_size());
+    for (const auto& slot : bucket.slots) {
+      auto parameter = parameters_[slot.parameter].detach();
+      parameter.copy_(gathered.narrow(0, slot.offset, slot.numel).view_as(parameter));
+    }
+  }
+}
+
+double ShardedCoordinator::clip_grad_norm(double max_norm, double norm_type) {
+  at::NoGradGuard no_grad;
+  auto& group = *options_.process_group();
+  const at::Device device = shard_.front().device();
+  const bool infinity = std::isinf(norm_type);
+  at::Tensor local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  for (const auto& shard : shard_) {
+    if (!shard.grad().defined()) continue;
+    const auto grad = shard.grad().to(at::kDouble);
+    if (infinity) {
+      local = at::maximum(local, grad.abs().max().reshape({1}));
+    } else {
+      local += grad.abs().pow(norm_type).sum();
+    }
+  }
+  double total;
+  if (infinity) {
+    std::vector<at::Tensor> tensors{local};
+    group.allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
+    total = local.item<double>();
+  } else {
+    total = std::pow(all_reduce_sum(group, local, device).item<double>(), 1.0 / norm_type);
+  }
+  // torch::nn::utils::clip_grad_norm_'s coefficient.
+  const double coefficient = std::min(max_norm / (total + 1e-6), 1.0);
+  for (auto& shard : shard_) {
+    if (shard.grad().defined()) shard.mutable_grad().mul_(coefficient);
+  }
+  return total;
+}
+
+void ShardedCoordinator::zero_parameter_gradients() {
+  for (auto& parameter : parameters_) {
+    parameter.mutable_grad().reset();
+  }
+}
+
+} // namespace torchpar::sharded

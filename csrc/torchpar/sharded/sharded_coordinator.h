@@ -1,0 +1,93 @@
+// The engine of sharded data parallelism (ZeRO stages 1 and 2): each rank holds the whole model, but its
+// optimizer steps only its shard of the trained parameters (shard_layout.h), so the optimizer state (and
+// at stage 2 the averaged gradients) take 1/N of the memory. During backward, each gradient bucket is
+// reduce-scattered the moment its last gradient is produced, so communication overlaps backward; after the
+// optimizer's step the updated shards are all-gathered back into every rank's parameters. The bytes moved
+// per step are DDP's (a reduce-scatter and an all-gather instead of an all-reduce).
+#pragma once
+#include <torchpar/common/c10d_fwd.h>
+#include <torchpar/common/replica_check.h>
+#include <torchpar/sharded/options.h>
+#include <torchpar/sharded/shard_layout.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace c10d {
+class Work;
+} // namespace c10d
+
+namespace torchpar {
+class GradientReadyHooks;
+} // namespace torchpar
+
+namespace torchpar::sharded {
+
+class ShardedCoordinator {
+ public:
+  // Collective: every rank of the group constructs it with the same model; rank 0's values are copied to
+  // every rank. A parameter listed twice (tied weights) counts once; frozen parameters stay replicated.
+  ShardedCoordinator(NamedTensors parameters, NamedTensors buffers, ShardedOptions options);
+  ~ShardedCoordinator();
+  ShardedCoordinator(const ShardedCoordinator&) = delete;
+  ShardedCoordinator& operator=(const ShardedCoordinator&) = delete;
+
+  // This rank's shard of the trained parameters, one flat tensor per dtype: what its optimizer steps.
+  // After a synchronised backward each one's .grad is this rank's part of the gradient averaged over the
+  // group (added to what was there, as .grad accumulates).
+  const std::vector<at::Tensor>& shard() const { return shard_; }
+  const ShardLayout& layout() const { return layout_; }
+  int stage() const { return options_.stage(); }
+
+  bool grad_sync() const { return grad_sync_; }
+  void set_grad_sync(bool enabled) { grad_sync_ = enabled; }
+  // Whether the coming forward's backward will be synchronised: grad mode on and grad_sync.
+  bool will_sync() const;
+  // Before each forward: buffers from rank 0 (when synchronising), and the gradient hooks armed or not.
+  void pre_forward(bool will_sync);
+  // After the optimizer stepped shard(): every rank's pieces all-gathered into the parameters.
+  void gather_parameters();
+  // The gradient norm over every rank's shard (as torch::nn::utils::clip_grad_norm_ over the whole model's
+  // averaged gradients), and the shards' gradients scaled to at most `max_norm`. Collective.
+  double clip_grad_norm(double max_norm, double norm_type = 2.0);
+  // Releases the parameters' own gradients (stage 1 keeps the local ones until here).
+  void zero_parameter_gradients();
+
+  // Bytes this rank sent in the last step's reduce-scatters and all-gathers (ring algorithm's count).
+  int64_t bytes_sent_last_step() const { return bytes_sent_; }
+
+ private:
+  void on_gradient_ready(size_t index);
+  void launch_ready_buckets();
+  void launch(size_t bucket);
+  void complete_oldest();  // waits for the oldest reduce-scatter, adds its piece into the shard's gradient
+  void finish_backward();
+
+  std::vector<at::Tensor> parameters_;  // trained, distinct
+  std::vector<std::string> names_;
+  NamedTensors buffers_;
+  ShardedOptions options_;
+  ShardLayout layout_;
+  std::vector<at::Tensor> shard_;
+  std::unique_ptr<GradientReadyHooks> hooks_;
+  std::mutex mutex_;
+  bool grad_sync_ = true;
+  bool armed_ = false;
+  bool backward_started_ = false;
+  std::vector<bool> ready_;
+  std::vector<size_t> pending_;  // per bucket: gradients still to come
+  size_t next_bucket_ = 0;
+  struct InFlight {
+    size_t bucket;
+    at::Tensor input;   // the bucket's gradients, flat and padded
+    at::Tensor output;  // this rank's piece of their sum
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  std::vector<InFlight> in_flight_;
+  int64_t bytes_sent_ = 0;
+};
+
+} // namespace torchpar::sharded

@@ -1,0 +1,113 @@
+"""Sharded data parallelism (ZeRO stages 1 and 2) on torchpar's C++ engine.
+
+    model = torchpar.ShardedDataParallel(model, stage=2)              # every rank keeps the whole model
+    optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=1e-3)   # steps this rank's shard only
+    optimizer.zero_grad()
+    loss_fn(model(x), y).backward()      # gradient buckets reduce-scattered while backward runs
+    optimizer.step()                     # the shard stepped, then every rank's shard all-gathered
+
+Stage 1 shards the optimizer state over the group (Adam's two moments take 1/N of their memory); stage 2 also
+the averaged gradients: a parameter's ``.grad`` is released once its bucket is reduce-scattered. The bytes moved
+per step are DDP's. The parameters themselves stay whole on every rank (stage 3 is not implemented yet).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C
+
+__all__ = ["ShardedDataParallel", "ShardedOptimizer"]
+
+
+class ShardedDataParallel(nn.Module):
+    """Data parallelism whose optimizer state (stage 1) and gradients (stage 2) are sharded over ``process_group``.
+
+    Construction is collective: every rank must build the same model; rank 0's parameters and buffers are
+    copied to every rank. Parameters listed twice (tied) count once; frozen ones stay replicated and untouched.
+    """
+
+    def __init__(self, module: nn.Module, stage: int = 2, process_group: dist.ProcessGroup | None = None,
+                 bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True) -> None:
+        super().__init__()
+        if process_group is None:
+            if not dist.is_initialized():
+                raise RuntimeError("ShardedDataParallel: the default process group is not initialized; call "
+                                   "torchpar.init_process_group() first")
+            process_group = dist.distributed_c10d._get_default_group()
+        self.module = module
+        self.process_group = process_group
+        self._coordinator = _C.sharded.ShardedCoordinator(
+            list(module.named_parameters(remove_duplicate=False)), list(module.named_buffers()), process_group,
+            stage=stage, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers)
+
+    @property
+    def stage(self) -> int:
+        return self._coordinator.stage
+
+    def shard_parameters(self) -> list[torch.Tensor]:
+        """This rank's shard of the trained parameters, one flat tensor per dtype: what its optimizer steps."""
+        return self._coordinator.shard
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._coordinator.pre_forward(self._coordinator.will_sync())
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next synchronised one reduces the sum."""
+        previous = self._coordinator.grad_sync
+        self._coordinator.grad_sync = False
+        try:
+            yield
+        finally:
+            self._coordinator.grad_sync = previous
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model's averaged gradients (collective): the shards'
+        gradients scaled; returns the total norm."""
+        return torch.tensor(self._coordinator.clip_grad_norm(float(max_norm), float(norm_type)))
+
+    @property
+    def bytes_sent_last_step(self) -> int:
+        """Bytes this rank sent in the last step's reduce-scatters and all-gathers (the ring algorithm's count)."""
+        return self._coordinator.bytes_sent_last_step
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Any ``torch.optim`` optimizer over one rank's shard of a :class:`ShardedDataParallel` model; the
+    constructor reads as torch's ``ZeroRedundancyOptimizer(params, optimizer_class, **defaults)``.
+
+    ``step()`` steps the shard, then all-gathers every rank's updated shard into the model's parameters;
+    ``zero_grad()`` also releases the parameters' own gradients. ``state_dict()`` is this rank's shard's state.
+    Works with ``torch.optim.lr_scheduler`` (the param groups are the inner optimizer's).
+    """
+
+    def __init__(self, model: ShardedDataParallel, optimizer_class: Callable[..., torch.optim.Optimizer],
+                 **defaults: Any) -> None:
+        if not isinstance(model, ShardedDataParallel):
+            raise TypeError(f"ShardedOptimizer needs a torchpar.ShardedDataParallel model, got {type(model).__name__}")
+        self.model = model
+        self.optimizer = optimizer_class(model.shard_parameters(), **defaults)
+        super().__init__(model.shard_parameters(), self.optimizer.defaults)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = self.optimizer.step(closure)
+        self.model._coordinator.gather_parameters()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.model._coordinator.zero_parameter_gradients()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)

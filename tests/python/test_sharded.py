@@ -1,0 +1,159 @@
+"""Sharded data parallelism (ZeRO stages 1 and 2) on real ranks: training equal to one process on the global batch
+(and to torch's DDP where BatchNorm keeps per-rank statistics), with SGD-momentum and Adam, parameter sizes that do
+not divide by the group, a frozen and a tied parameter; no_sync accumulation; clipping; what a rank holds."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchpar
+from rank_harness import run_on_ranks
+
+STEPS, PER_RANK, VOCABULARY = 3, 4, 11
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    "adam": (torch.optim.Adam, dict(lr=0.01)),
+}
+
+
+class TiedNet(nn.Module):
+    """Sizes 11x6, 6x13, 13, ... none divisible by 2, 3 or 4; `frozen` trains nothing; `decoder` is `embed`."""
+
+    def __init__(self, batch_norm: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCABULARY, 6)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.hidden = nn.Linear(6, 13)
+        self.norm = nn.BatchNorm1d(13) if batch_norm else nn.Identity()
+        self.out = nn.Linear(13, 6)
+        self.decoder = nn.Linear(6, VOCABULARY, bias=False)
+        self.decoder.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.norm(self.hidden(self.frozen(self.embed(ids)))))
+        return self.decoder(self.out(hidden))
+
+
+def build(batch_norm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return TiedNet(batch_norm)
+
+
+def batches(world: int):
+    generator = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, VOCABULARY, (world * PER_RANK,), generator=generator),
+             torch.randint(0, VOCABULARY, (world * PER_RANK,), generator=generator)) for _ in range(STEPS)]
+
+
+def loss_of(model, ids, targets):
+    return nn.functional.cross_entropy(model(ids), targets)
+
+
+def one_process(optimizer_name, world, clip=None):
+    model = build()
+    optimizer_class, defaults = OPTIMIZERS[optimizer_name]
+    optimizer = optimizer_class(model.parameters(), **defaults)
+    for ids, targets in batches(world):
+        optimizer.zero_grad()
+        loss_of(model, ids, targets).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return model
+
+
+def assert_same_model(got, expected, context, rtol=1e-5, atol=1e-6):
+    for (name, a), (_, b) in zip(got.named_parameters(), expected.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{context} {name}: {m}")
+
+
+def sharded_training(rank, world):
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    for stage in (1, 2):
+        for optimizer_name, (optimizer_class, defaults) in OPTIMIZERS.items():
+            context = f"stage {stage} {optimizer_name} on {world} ranks"
+            model = torchpar.ShardedDataParallel(build(), stage=stage)
+            optimizer = torchpar.ShardedOptimizer(model, optimizer_class, **defaults)
+            for ids, targets in batches(world):
+                optimizer.zero_grad()
+                loss_of(model, ids[mine], targets[mine]).backward()
+                held = [p.grad is not None for p in model.module.parameters() if p.requires_grad]
+                # Stage 2 releases each gradient once its bucket is reduced; stage 1 keeps the local ones.
+                assert all(held) if stage == 1 else not any(held), (context, held)
+                optimizer.step()
+            assert_same_model(model.module, one_process(optimizer_name, world), context)
+            assert model.module.decoder.weight is model.module.embed.weight
+            # What this rank holds: 1/N of the trained elements (+ padding), and the optimizer's state on it only.
+            trained = sum(p.numel() for p in model.module.parameters() if p.requires_grad)
+            shard = sum(s.numel() for s in model.shard_parameters())
+            assert trained / world <= shard <= trained / world + len(list(model.module.parameters())), (shard, trained)
+            if optimizer_name == "adam":
+                state = optimizer.state[model.shard_parameters()[0]]
+                assert state["exp_avg"].numel() == state["exp_avg_sq"].numel() == shard
+            # A reduce-scatter and an all-gather of the padded buckets: DDP's ring all-reduce bytes.
+            assert model.bytes_sent_last_step == 2 * model._coordinator.reduce_scatter_bytes
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_stages_1_and_2_train_as_one_process_on_the_global_batch(world):
+    assert run_on_ranks(world, sharded_training, backend="shm" if world == 4 else "gloo", deadline_s=300) \
+        == [True] * world
+
+
+def accumulation_clipping_and_batch_norm(rank, world):
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    half = PER_RANK // 2
+    # no_sync: two half batches, the first accumulated locally; clipping over every shard.
+    for stage in (1, 2):
+        model = torchpar.ShardedDataParallel(build(), stage=stage)
+        optimizer = torchpar.ShardedOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+        for ids, targets in batches(world):
+            ids, targets = ids[mine], targets[mine]
+            optimizer.zero_grad()
+            with model.no_sync():
+                (loss_of(model, ids[:half], targets[:half]) / 2).backward()
+            (loss_of(model, ids[half:], targets[half:]) / 2).backward()
+            norm = model.clip_grad_norm_(0.05)
+            assert norm > 0.05  # the clip bites
+            optimizer.step()
+        assert_same_model(model.module, one_process("sgd", world, clip=0.05), f"stage {stage} no_sync + clip")
+    # BatchNorm: each rank's statistics of its own batch, rank 0's buffers broadcast before each forward,
+    # exactly as torch's DDP does.
+    for stage in (1, 2):
+        ours = torchpar.ShardedDataParallel(build(batch_norm=True), stage=stage)
+        theirs = nn.parallel.DistributedDataParallel(build(batch_norm=True))
+        ours_optimizer = torchpar.ShardedOptimizer(ours, torch.optim.Adam, lr=0.01)
+        theirs_optimizer = torch.optim.Adam(theirs.parameters(), lr=0.01)
+        for ids, targets in batches(world):
+            for model, optimizer in ((ours, ours_optimizer), (theirs, theirs_optimizer)):
+                optimizer.zero_grad()
+                loss_of(model, ids[mine], targets[mine]).backward()
+                optimizer.step()
+        assert_same_model(ours.module, theirs.module, f"stage {stage} BatchNorm against torch's DDP")
+        assert torch.equal(ours.module.norm.running_mean, theirs.module.norm.running_mean)
+    return True
+
+
+def test_no_sync_clipping_and_batch_norm_as_one_process_and_torch_ddp():
+    assert run_on_ranks(2, accumulation_clipping_and_batch_norm, deadline_s=300) == [True, True]
+
+
+def refusals(rank, world):
+    with pytest.raises(RuntimeError, match="stage 3 is not one torchpar implements"):
+        torchpar.ShardedDataParallel(build(), stage=3)
+    torch.manual_seed(rank)
+    different = nn.Linear(4, 4 + rank)
+    with pytest.raises(RuntimeError, match="ShardedDataParallel: the model differs across ranks"):
+        torchpar.ShardedDataParallel(different)
+    model = torchpar.ShardedDataParallel(build())
+    with pytest.raises(TypeError, match="needs a torchpar.ShardedDataParallel"):
+        torchpar.ShardedOptimizer(model.module, torch.optim.SGD, lr=0.1)
+    return True
+
+
+def test_refusals_name_what_is_wrong():
+    assert run_on_ranks(2, refusals) == [True, True]
