@@ -13,6 +13,7 @@ per step are DDP's. The parameters themselves stay whole on every rank (stage 3 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Callable, Iterator
 
 import torch
@@ -107,7 +108,52 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.model._coordinator.zero_parameter_gradients()
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's shard's state: loads back only into the same group size (see full_state_dict)."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state, the same on every rank (collective): ``{"state": {parameter name: {key:
+        value}}, "param_groups": [...]}``, each per-element state (Adam's moments, momentum buffers) shaped like
+        its parameter. ``load_full_state_dict`` loads it on any number of ranks."""
+        coordinator = self.model._coordinator
+        names = coordinator.parameter_names
+        state: dict[str, dict[str, Any]] = {}
+        for index, shard in enumerate(coordinator.shard):
+            members = coordinator.shard_members(index)
+            for key, value in self.optimizer.state.get(shard, {}).items():
+                if torch.is_tensor(value) and value.shape == shard.shape:
+                    for parameter, whole in coordinator.gather_full(index, value):
+                        state.setdefault(names[parameter], {})[key] = whole
+                else:  # a per-tensor value, e.g. Adam's step: the same for every parameter of the shard
+                    for parameter in members:
+                        state.setdefault(names[parameter], {})[key] = copy.deepcopy(value)
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_full_state_dict(self, full_state: dict[str, Any]) -> None:
+        """What ``full_state_dict`` gave, possibly on another number of ranks: each rank takes its shard of it."""
+        coordinator = self.model._coordinator
+        names = coordinator.parameter_names
+        shapes = {name: parameter.shape for name, parameter in self.model.module.named_parameters()}
+        missing = [name for name in names if name not in full_state["state"]]
+        if missing and len(missing) != len(names):
+            raise ValueError(f"ShardedOptimizer.load_full_state_dict: no state for parameters {missing}")
+        for index, shard in enumerate(coordinator.shard):
+            members = coordinator.shard_members(index)
+            if not members or missing:
+                continue
+            shard_state: dict[str, Any] = {}
+            for key, value in full_state["state"][names[members[0]]].items():
+                if torch.is_tensor(value) and value.shape == shapes[names[members[0]]]:
+                    whole = [torch.empty(0)] * len(names)
+                    for parameter in members:
+                        whole[parameter] = full_state["state"][names[parameter]][key]
+                    shard_state[key] = coordinator.shard_of(index, whole).to(shard.device)
+                else:
+                    shard_state[key] = copy.deepcopy(value)
+            self.optimizer.state[shard] = shard_state
+        for group, saved in zip(self.optimizer.param_groups, full_state["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})

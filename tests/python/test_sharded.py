@@ -157,3 +157,63 @@ def refusals(rank, world):
 
 def test_refusals_name_what_is_wrong():
     assert run_on_ranks(2, refusals) == [True, True]
+
+
+def save_after_two_steps(rank, world, directory):
+    """4 ranks: two Adam steps, then the whole model and optimizer state saved; the third step's result returned."""
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    model = torchpar.ShardedDataParallel(build(), stage=2)
+    optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=0.01)
+    steps = batches(world)
+    for ids, targets in steps[:2]:
+        optimizer.zero_grad()
+        loss_of(model, ids[mine], targets[mine]).backward()
+        optimizer.step()
+    full = optimizer.full_state_dict()
+    if rank == 0:
+        torch.save({"model": model.module.state_dict(), "optimizer": full}, f"{directory}/checkpoint.pt")
+    ids, targets = steps[2]
+    optimizer.zero_grad()
+    loss_of(model, ids[mine], targets[mine]).backward()
+    optimizer.step()
+    return {name: p.detach().clone() for name, p in model.module.named_parameters()}
+
+
+def resume_on_another_group_size(rank, world, directory):
+    """The 4-rank checkpoint loaded on this group size; the third step of the same global batch taken."""
+    checkpoint = torch.load(f"{directory}/checkpoint.pt")
+    module = build()
+    module.load_state_dict(checkpoint["model"])
+    model = torchpar.ShardedDataParallel(module, stage=2)
+    optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=0.01)
+    optimizer.load_full_state_dict(checkpoint["optimizer"])
+    share = 4 * PER_RANK // world
+    ids, targets = batches(4)[2]
+    optimizer.zero_grad()
+    loss_of(model, ids[rank * share:(rank + 1) * share], targets[rank * share:(rank + 1) * share]).backward()
+    optimizer.step()
+    return {name: p.detach().clone() for name, p in model.module.named_parameters()}
+
+
+def test_a_checkpoint_of_4_ranks_resumes_on_2_ranks_and_in_a_bare_model(tmp_path):
+    continued = run_on_ranks(4, save_after_two_steps, str(tmp_path), deadline_s=180)[0]
+    resumed = run_on_ranks(2, resume_on_another_group_size, str(tmp_path), deadline_s=180)
+    for rank_values in resumed:
+        for name, value in continued.items():
+            torch.testing.assert_close(rank_values[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # The full state is keyed by parameter name: torch's own Adam on the bare model takes it as is.
+    checkpoint = torch.load(tmp_path / "checkpoint.pt")
+    bare = build()
+    bare.load_state_dict(checkpoint["model"])
+    trained = [(name, p) for name, p in bare.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam([p for _, p in trained], lr=0.01)
+    names = [name for name, _ in trained]
+    saved = checkpoint["optimizer"]
+    optimizer.load_state_dict({"state": {i: saved["state"][name] for i, name in enumerate(names)},
+                               "param_groups": [dict(saved["param_groups"][0], params=list(range(len(names))))]})
+    ids, targets = batches(4)[2]
+    optimizer.zero_grad()
+    loss_of(bare, ids, targets).backward()
+    optimizer.step()
+    for name, value in bare.named_parameters():
+        torch.testing.assert_close(value, continued[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"bare {name}: {m}")

@@ -34,6 +34,21 @@ void bind_sharded(py::module_& module) {
       .def("gather_parameters", &ShardedCoordinator::gather_parameters, py::call_guard<py::gil_scoped_release>())
       .def("clip_grad_norm", &ShardedCoordinator::clip_grad_norm, py::arg("max_norm"), py::arg("norm_type") = 2.0,
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("parameter_names", &ShardedCoordinator::parameter_names)
+      .def(
+          "shard_members",
+          [](const ShardedCoordinator& c, size_t shard) {
+            std::vector<size_t> members;
+            for (const auto& bucket : c.layout().buckets) {
+              if (bucket.dtype != c.layout().shards.at(shard).first) continue;
+              for (const auto& slot : bucket.slots) members.push_back(slot.parameter);
+            }
+            return members;
+          },
+          py::arg("shard"), "the parameters (indices) whose elements shard `shard` holds a piece of")
+      .def("gather_full", &ShardedCoordinator::gather_full, py::arg("shard"), py::arg("shard_like"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("shard_of", &ShardedCoordinator::shard_of, py::arg("shard"), py::arg("full"))
       .def("zero_parameter_gradients", &ShardedCoordinator::zero_parameter_gradients)
       .def_property_readonly("bytes_sent_last_step", &ShardedCoordinator::bytes_sent_last_step)
       .def_property_readonly("reduce_scatter_bytes",

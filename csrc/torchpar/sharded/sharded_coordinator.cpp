@@ -253,6 +253,52 @@ double ShardedCoordinator::clip_grad_norm(double max_norm, double norm_type) {
   return total;
 }
 
+std::vector<std::pair<size_t, at::Tensor>> ShardedCoordinator::gather_full(size_t shard,
+                                                                          const at::Tensor& shard_like) const {
+  TORCH_CHECK(shard < shard_.size(), "ShardedDataParallel: no shard ", shard, " (there are ", shard_.size(), ")");
+  TORCH_CHECK(shard_like.dim() == 1 && shard_like.numel() == shard_[shard].numel(), "ShardedDataParallel: a tensor "
+              "of shape ", shard_like.sizes(), " is not shaped like shard ", shard, " (", shard_[shard].numel(), ")");
+  at::NoGradGuard no_grad;
+  auto& group = *options_.process_group();
+  const auto dtype = layout_.shards[shard].first;
+  std::vector<std::pair<size_t, at::Tensor>> full;
+  for (const auto& bucket : layout_.buckets) {
+    if (bucket.dtype != dtype) continue;
+    at::Tensor piece = shard_like.detach().narrow(0, bucket.shard_offset, bucket.piece_numel).contiguous();
+    at::Tensor gathered = at::empty({bucket.padded_numel}, piece.options());
+    all_gather(group, gathered, piece)->wait();
+    for (const auto& slot : bucket.slots) {
+      full.emplace_back(slot.parameter,
+                        gathered.narrow(0, slot.offset, slot.numel).view(parameters_[slot.parameter].sizes()).clone());
+    }
+  }
+  return full;
+}
+
+at::Tensor ShardedCoordinator::shard_of(size_t shard, const std::vector<at::Tensor>& full) const {
+  TORCH_CHECK(shard < shard_.size(), "ShardedDataParallel: no shard ", shard, " (there are ", shard_.size(), ")");
+  TORCH_CHECK(full.size() == parameters_.size(), "ShardedDataParallel: ", full.size(), " tensors for ",
+              parameters_.size(), " trained parameters");
+  const auto dtype = layout_.shards[shard].first;
+  const int rank = options_.process_group()->getRank();
+  at::Tensor result = at::zeros_like(shard_[shard], at::MemoryFormat::Contiguous).detach();
+  for (const auto& bucket : layout_.buckets) {
+    if (bucket.dtype != dtype) continue;
+    const int64_t piece_start = rank * bucket.piece_numel;
+    for (const auto& slot : bucket.slots) {
+      const auto& whole = full[slot.parameter];
+      TORCH_CHECK(whole.numel() == slot.numel, "ShardedDataParallel: the tensor given for parameter ",
+                  names_[slot.parameter], " has ", whole.numel(), " elements, the parameter ", slot.numel);
+      const int64_t from = std::max(slot.offset, piece_start);
+      const int64_t to = std::min(slot.offset + slot.numel, piece_start + bucket.piece_numel);
+      if (from >= to) continue;
+      result.narrow(0, bucket.shard_offset + from - piece_start, to - from)
+          .copy_(whole.detach().reshape(-1).narrow(0, from - slot.offset, to - from));
+    }
+  }
+  return result;
+}
+
 void ShardedCoordinator::zero_parameter_gradients() {
   for (auto& parameter : parameters_) {
     parameter.mutable_grad().reset();

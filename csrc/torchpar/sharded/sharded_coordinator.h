@@ -56,6 +56,16 @@ class ShardedCoordinator {
   // Releases the parameters' own gradients (stage 1 keeps the local ones until here).
   void zero_parameter_gradients();
 
+  // The trained parameters' names (the first name of a tied one), indexed as the layout's parameters.
+  const std::vector<std::string>& parameter_names() const { return names_; }
+  // A tensor shaped like shard()[shard] (its values, its gradient, an optimizer's state on it) made whole:
+  // every rank's pieces gathered, cut per parameter and shaped like it, as (parameter index, tensor) for each
+  // parameter of that shard's dtype. Collective. What a checkpoint that any group size can load keeps.
+  std::vector<std::pair<size_t, at::Tensor>> gather_full(size_t shard, const at::Tensor& shard_like) const;
+  // The inverse: this rank's shard-shaped tensor cut out of whole per-parameter tensors (`full[i]` for
+  // parameter i; only the parameters of that shard's dtype are read), padding zero. Local.
+  at::Tensor shard_of(size_t shard, const std::vector<at::Tensor>& full) const;
+
   // Bytes this rank sent in the last step's reduce-scatters and all-gathers (ring algorithm's count).
   int64_t bytes_sent_last_step() const { return bytes_sent_; }
 
