@@ -30,10 +30,13 @@ class ShardedDataParallel(nn.Module):
 
     Construction is collective: every rank must build the same model; rank 0's parameters and buffers are
     copied to every rank. Parameters listed twice (tied) count once; frozen ones stay replicated and untouched.
+    ``mp_policy`` is torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``: the model's floating-point
+    parameters are cast to ``param_dtype`` (the shard keeps the master copy in their own dtype), gradients are
+    reduced in ``reduce_dtype``, and floating-point inputs are cast when ``cast_forward_inputs``.
     """
 
     def __init__(self, module: nn.Module, stage: int = 2, process_group: dist.ProcessGroup | None = None,
-                 bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True) -> None:
+                 bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True, mp_policy: Any = None) -> None:
         super().__init__()
         if process_group is None:
             if not dist.is_initialized():
@@ -42,9 +45,11 @@ class ShardedDataParallel(nn.Module):
             process_group = dist.distributed_c10d._get_default_group()
         self.module = module
         self.process_group = process_group
+        self.mp_policy = mp_policy
         self._coordinator = _C.sharded.ShardedCoordinator(
             list(module.named_parameters(remove_duplicate=False)), list(module.named_buffers()), process_group,
-            stage=stage, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers)
+            stage=stage, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
+            param_dtype=getattr(mp_policy, "param_dtype", None), reduce_dtype=getattr(mp_policy, "reduce_dtype", None))
 
     @property
     def stage(self) -> int:
@@ -56,6 +61,12 @@ class ShardedDataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._coordinator.pre_forward(self._coordinator.will_sync())
+        policy = self.mp_policy
+        if policy is not None and policy.param_dtype is not None and getattr(policy, "cast_forward_inputs", True):
+            def cast(value: Any) -> Any:
+                return value.to(policy.param_dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+            inputs = tuple(cast(value) for value in inputs)
+            kwargs = {key: cast(value) for key, value in kwargs.items()}
         return self.module(*inputs, **kwargs)
 
     @contextlib.contextmanager

@@ -217,3 +217,43 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2_ranks_and_in_a_bare_model(tmp_path
     optimizer.step()
     for name, value in bare.named_parameters():
         torch.testing.assert_close(value, continued[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"bare {name}: {m}")
+
+
+def mixed_precision_against_fsdp2(rank, world):
+    """bf16 compute, fp32 master and reduction: the same arithmetic as torch's FSDP2 with the same policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 13), nn.GELU(), nn.Linear(13, 3))
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours = torchpar.ShardedDataParallel(mlp(), stage=2, mp_policy=policy)
+    assert all(p.dtype == torch.bfloat16 for p in ours.module.parameters())
+    assert all(s.dtype == torch.float32 for s in ours.shard_parameters())
+    ours_optimizer = torchpar.ShardedOptimizer(ours, torch.optim.Adam, lr=0.01)
+    theirs = mlp()
+    for layer in theirs:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(theirs, mp_policy=policy, reshard_after_forward=False)
+    theirs_optimizer = torch.optim.Adam(theirs.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(3 + rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(PER_RANK, 7, generator=generator), torch.randint(0, 3, (PER_RANK,), generator=generator)
+        for model, optimizer in ((ours, ours_optimizer), (theirs, theirs_optimizer)):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x).float(), y).backward()
+            optimizer.step()
+    coordinator = ours._coordinator
+    masters = {coordinator.parameter_names[i]: whole
+               for index, shard in enumerate(coordinator.shard) for i, whole in coordinator.gather_full(index, shard)}
+    for name, parameter in theirs.named_parameters():
+        expected = parameter.full_tensor().detach()
+        torch.testing.assert_close(masters[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"master {name}: {m}")
+        assert torch.equal(dict(ours.module.named_parameters())[name], expected.to(torch.bfloat16)), name
+    return True
+
+
+def test_mixed_precision_policy_equals_fsdp2_with_the_same_policy():
+    assert run_on_ranks(2, mixed_precision_against_fsdp2, deadline_s=180) == [True, True]

@@ -15,16 +15,20 @@ void bind_sharded(py::module_& module) {
   py::class_<ShardedCoordinator>(sharded, "ShardedCoordinator", py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](NamedTensors parameters, NamedTensors buffers,
                        c10::intrusive_ptr<c10d::ProcessGroup> process_group, int stage, double bucket_cap_mb,
-                       bool broadcast_buffers) {
+                       bool broadcast_buffers, std::optional<at::ScalarType> param_dtype,
+                       std::optional<at::ScalarType> reduce_dtype) {
              return std::make_unique<ShardedCoordinator>(std::move(parameters), std::move(buffers),
                                                          sharded::ShardedOptions()
                                                              .process_group(std::move(process_group))
                                                              .stage(stage)
                                                              .bucket_cap_mb(bucket_cap_mb)
-                                                             .broadcast_buffers(broadcast_buffers));
+                                                             .broadcast_buffers(broadcast_buffers)
+                                                             .param_dtype(param_dtype)
+                                                             .reduce_dtype(reduce_dtype));
            }),
            py::arg("parameters"), py::arg("buffers"), py::arg("process_group"), py::arg("stage"),
-           py::arg("bucket_cap_mb"), py::arg("broadcast_buffers"), py::call_guard<py::gil_scoped_release>())
+           py::arg("bucket_cap_mb"), py::arg("broadcast_buffers"), py::arg("param_dtype") = py::none(),
+           py::arg("reduce_dtype") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shard", &ShardedCoordinator::shard)
       .def_property_readonly("stage", &ShardedCoordinator::stage)
       .def_property("grad_sync", &ShardedCoordinator::grad_sync, &ShardedCoordinator::set_grad_sync)

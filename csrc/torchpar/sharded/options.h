@@ -4,7 +4,10 @@
 #include <torch/arg.h>
 #include <torchpar/common/c10d_fwd.h>
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/intrusive_ptr.h>
+
+#include <optional>
 
 namespace torchpar::sharded {
 
@@ -19,6 +22,12 @@ struct ShardedOptions {
   // Rank 0's buffers (BatchNorm's running statistics) copied to every rank before each synchronised forward,
   // as DDP's broadcast_buffers.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  // Mixed precision, as FSDP2's MixedPrecisionPolicy: the dtype floating-point parameters are cast to for
+  // forward and backward (and all-gathered in), while the shard keeps the master copy in their own dtype;
+  // unset, no cast.
+  TORCH_ARG(std::optional<c10::ScalarType>, param_dtype) = std::nullopt;
+  // The dtype gradients are reduced in; unset, param_dtype, else the parameter's own.
+  TORCH_ARG(std::optional<c10::ScalarType>, reduce_dtype) = std::nullopt;
 };
 
 } // namespace torchpar::sharded

@@ -96,6 +96,18 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
     }
   }
   for (auto& shard : shard_) shard.set_requires_grad(true);
+  if (options_.param_dtype()) {
+    // The model computes in the policy's dtype; the shard, cut above from the original values, is the master.
+    TORCH_CHECK(c10::isFloatingType(*options_.param_dtype()), "ShardedDataParallel: param_dtype must be a "
+                "floating-point dtype, got ", *options_.param_dtype());
+    at::NoGradGuard no_grad;
+    for (auto& entry : distinct) {
+      auto& parameter = entry.second;
+      if (c10::isFloatingType(parameter.scalar_type())) {
+        parameter.set_data(parameter.detach().to(*options_.param_dtype()));
+      }
+    }
+  }
   ready_.assign(parameters_.size(), false);
   pending_.assign(layout_.buckets.size(), 0);
   hooks_ = std::make_unique<GradientReadyHooks>(parameters_, [this](size_t index) { on_gradient_ready(index); });
@@ -151,7 +163,8 @@ void ShardedCoordinator::launch(size_t index) {
   const auto& bucket = layout_.buckets[index];
   auto& group = *options_.process_group();
   const auto& first = parameters_[bucket.slots.front().parameter];
-  at::Tensor input = at::empty({bucket.padded_numel}, first.options().requires_grad(false));
+  at::Tensor input =
+      at::empty({bucket.padded_numel}, first.options().dtype(reduce_dtype(bucket.dtype)).requires_grad(false));
   int64_t filled = 0;
   for (const auto& slot : bucket.slots) {
     auto& parameter = parameters_[slot.parameter];
@@ -211,7 +224,8 @@ void ShardedCoordinator::gather_parameters() {
   auto& group = *options_.process_group();
   for (const auto& bucket : layout_.buckets) {
     const auto& shard = shard_[layout_.shard_index(bucket.dtype)];
-    at::Tensor piece = shard.detach().narrow(0, bucket.shard_offset, bucket.piece_numel).contiguous();
+    at::Tensor piece =
+        shard.detach().narrow(0, bucket.shard_offset, bucket.piece_numel).to(compute_dtype(bucket.dtype)).contiguous();
     at::Tensor gathered = at::empty({bucket.padded_numel}, piece.options());
     all_gather(group, gathered, piece)->wait();
     bytes_sent_ += bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(piece.element_size());
@@ -297,6 +311,14 @@ at::Tensor ShardedCoordinator::shard_of(size_t shard, const std::vector<at::Tens
     }
   }
   return result;
+}
+
+c10::ScalarType ShardedCoordinator::compute_dtype(c10::ScalarType dtype) const {
+  return options_.param_dtype() && c10::isFloatingType(dtype) ? *options_.param_dtype() : dtype;
+}
+
+c10::ScalarType ShardedCoordinator::reduce_dtype(c10::ScalarType dtype) const {
+  return options_.reduce_dtype() && c10::isFloatingType(dtype) ? *options_.reduce_dtype() : compute_dtype(dtype);
 }
 
 void ShardedCoordinator::zero_parameter_gradients() {

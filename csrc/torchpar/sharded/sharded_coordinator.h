@@ -75,6 +75,9 @@ class ShardedCoordinator {
   void launch(size_t bucket);
   void complete_oldest();  // waits for the oldest reduce-scatter, adds its piece into the shard's gradient
   void finish_backward();
+  // What a bucket of master dtype `dtype` is reduced and gathered in, under the mixed-precision options.
+  c10::ScalarType reduce_dtype(c10::ScalarType dtype) const;
+  c10::ScalarType compute_dtype(c10::ScalarType dtype) const;
 
   std::vector<at::Tensor> parameters_;  // trained, distinct
   std::vector<std::string> names_;
