@@ -8,13 +8,16 @@
 
 Stage 1 shards the optimizer state over the group (Adam's two moments take 1/N of their memory); stage 2 also
 the averaged gradients: a parameter's ``.grad`` is released once its bucket is reduce-scattered. The bytes moved
-per step are DDP's. The parameters themselves stay whole on every rank (stage 3 is not implemented yet).
+per step are DDP's. Stage 3 also shards the parameters: each unit (a submodule, FSDP2's ``fully_shard`` unit) is
+all-gathered just before its forward and its backward and freed after (1.5x DDP's bytes).
+
+    model = torchpar.ShardedDataParallel(model, stage=3, units=[block for block in model.blocks])
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +39,8 @@ class ShardedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, stage: int = 2, process_group: dist.ProcessGroup | None = None,
-                 bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True, mp_policy: Any = None) -> None:
+                 bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True, mp_policy: Any = None,
+                 units: Sequence[str | nn.Module] | type | None = None, reshard_after_forward: bool = True) -> None:
         super().__init__()
         if process_group is None:
             if not dist.is_initialized():
@@ -46,10 +50,17 @@ class ShardedDataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self.mp_policy = mp_policy
+        unit_names = _unit_names(module, units) if stage == 3 else []
+        if units is not None and stage != 3:
+            raise ValueError(f"ShardedDataParallel: units are stage 3's; stage {stage} keeps the parameters whole")
         self._coordinator = _C.sharded.ShardedCoordinator(
             list(module.named_parameters(remove_duplicate=False)), list(module.named_buffers()), process_group,
             stage=stage, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
-            param_dtype=getattr(mp_policy, "param_dtype", None), reduce_dtype=getattr(mp_policy, "reduce_dtype", None))
+            param_dtype=getattr(mp_policy, "param_dtype", None), reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
+            units=unit_names, reshard_after_forward=reshard_after_forward)
+        self.unit_names = unit_names
+        for unit, name in enumerate(unit_names, start=1):
+            _gather_around(module.get_submodule(name), self._coordinator, unit)
 
     @property
     def stage(self) -> int:
@@ -84,10 +95,74 @@ class ShardedDataParallel(nn.Module):
         gradients scaled; returns the total norm."""
         return torch.tensor(self._coordinator.clip_grad_norm(float(max_norm), float(norm_type)))
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """As ``nn.Module.state_dict`` (keys ``module.…``, as DDP's); at stage 3 every unit is gathered for it (a
+        collective) and the values are copies."""
+        if self.stage != 3:
+            return super().state_dict(*args, **kwargs)
+        self._coordinator.gather_all()
+        try:
+            return {key: value.clone() for key, value in super().state_dict(*args, **kwargs).items()}
+        finally:
+            self._coordinator.release_all()
+
     @property
     def bytes_sent_last_step(self) -> int:
         """Bytes this rank sent in the last step's reduce-scatters and all-gathers (the ring algorithm's count)."""
         return self._coordinator.bytes_sent_last_step
+
+
+def _unit_names(module: nn.Module, units: Sequence[str | nn.Module] | type | None) -> list[str]:
+    """Stage 3's units as module names, in forward (registration) order: given by name or module, every
+    outermost submodule of a type, or by default each direct child that holds parameters."""
+    names = {id(m): name for name, m in module.named_modules()}
+    if units is None:
+        return [name for name, child in module.named_children() if any(True for _ in child.parameters())]
+    if isinstance(units, type):
+        chosen = [name for name, m in module.named_modules() if isinstance(m, units) and name]
+        return [name for name in chosen if not any(name.startswith(outer + ".") for outer in chosen)]
+    result = []
+    for unit in units:
+        if isinstance(unit, nn.Module):
+            if id(unit) not in names or not names[id(unit)]:
+                raise ValueError(f"ShardedDataParallel: unit {type(unit).__name__} is not a submodule of the model")
+            result.append(names[id(unit)])
+        else:
+            try:
+                module.get_submodule(unit)
+            except AttributeError:
+                raise ValueError(f"ShardedDataParallel: the model has no submodule '{unit}' to make a unit") from None
+            result.append(unit)
+    return result
+
+
+def _gather_around(unit_module: nn.Module, coordinator: Any, unit: int) -> None:
+    """Stage 3: the unit's parameters gathered before its forward and released after it, gathered again when the
+    gradient of its first output arrives (before its backward runs)."""
+    def before_backward(grad: torch.Tensor) -> None:
+        coordinator.before_unit_backward(unit)
+
+    def before_forward(_module: nn.Module, _inputs: Any) -> None:
+        coordinator.before_unit_forward(unit)
+
+    def after_forward(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        coordinator.after_unit_forward(unit)
+        for tensor in _tensors_in(output):
+            if tensor.requires_grad:
+                tensor.register_hook(before_backward)
+
+    unit_module.register_forward_pre_hook(before_forward)
+    unit_module.register_forward_hook(after_forward)
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors_in(item)]
+    return []
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

@@ -1,5 +1,5 @@
 // torchpar::sharded from C++: the shard layout alone, then ShardedDataParallel around a LibTorch module on
-// forked ranks against single-process training of the same global batch (stages 1 and 2, Adam).
+// forked ranks against single-process training of the same global batch (stages 1, 2 and 3, Adam).
 #include "catch_with_torch.h"
 #include <ATen/ops/mse_loss.h>
 #include <ATen/ops/randn.h>
@@ -46,6 +46,21 @@ TEST_CASE("sharded layout: dtypes never share a bucket, each has its shard", "[s
   CHECK(layout.shards[layout.shard_index(c10::kDouble)].second == 2);  // 4 padded to 6
 }
 
+TEST_CASE("sharded layout: stage 3's units are buckets, in backward order, split by dtype", "[sharded]") {
+  using torchpar::sharded::build_unit_layout;
+  // Units: 0 (the root) holds parameter 0, unit 1 parameters 1 and 2 (float, double), unit 2 parameter 3.
+  const auto layout = build_unit_layout({3, 4, 5, 6}, {c10::kFloat, c10::kFloat, c10::kDouble, c10::kFloat},
+                                        {0, 1, 1, 2}, 3, 2);
+  REQUIRE(layout.buckets.size() == 4);
+  CHECK(layout.buckets[0].unit == 2);
+  CHECK(layout.buckets[1].unit == 1);
+  CHECK(layout.buckets[2].unit == 1);
+  CHECK(layout.buckets[1].dtype != layout.buckets[2].dtype);
+  CHECK(layout.buckets[3].unit == 0);
+  CHECK(layout.buckets[3].padded_numel == 4);  // 3 elements padded for 2 ranks
+  CHECK_THROWS_WITH(build_unit_layout({3}, {c10::kFloat}, {5}, 3, 2), Catch::Matchers::Contains("in unit 5 of 3"));
+}
+
 namespace {
 
 torch::nn::Sequential network() {
@@ -55,7 +70,7 @@ torch::nn::Sequential network() {
 
 } // namespace
 
-TEST_CASE("sharded: stages 1 and 2 train a LibTorch module as one process does on the global batch", "[sharded]") {
+TEST_CASE("sharded: stages 1, 2 and 3 train a LibTorch module as one process does on the global batch", "[sharded]") {
   run_on_ranks(3, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     constexpr int kPerRank = 2, kSteps = 3;
     torch::manual_seed(11);
@@ -68,14 +83,26 @@ TEST_CASE("sharded: stages 1 and 2 train a LibTorch module as one process does o
       at::mse_loss(reference->forward(x), y).backward();
       reference_optimizer.step();
     }
-    for (int stage : {1, 2}) {
-      ShardedDataParallel sharded(network(), ShardedOptions().process_group(pg).stage(stage).bucket_cap_mb(0.0001));
+    for (int stage : {1, 2, 3}) {
+      auto options = ShardedOptions().process_group(pg).stage(stage);
+      if (stage == 3) {
+        options.units({"0", "2"});  // the two Linear layers
+      } else {
+        options.bucket_cap_mb(0.0001);
+      }
+      ShardedDataParallel sharded(network(), options);
       auto optimizer = sharded.optimizer<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
       for (const auto& [x, y] : batches) {
         optimizer.zero_grad();
         at::mse_loss(sharded(x.narrow(0, rank * kPerRank, kPerRank)), y.narrow(0, rank * kPerRank, kPerRank))
             .backward();
         optimizer.step();
+      }
+      if (stage == 3) {
+        for (const auto& parameter : sharded.module()->parameters()) {
+          CHECK(parameter.storage().nbytes() == 0);  // between steps a rank holds only its shard
+        }
+        sharded.coordinator().gather_all();
       }
       const auto ours = sharded.module()->parameters();
       const auto expected = reference->parameters();

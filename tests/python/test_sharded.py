@@ -143,8 +143,8 @@ def test_no_sync_clipping_and_batch_norm_as_one_process_and_torch_ddp():
 
 
 def refusals(rank, world):
-    with pytest.raises(RuntimeError, match="stage 3 is not one torchpar implements"):
-        torchpar.ShardedDataParallel(build(), stage=3)
+    with pytest.raises(RuntimeError, match="stage 4 does not exist"):
+        torchpar.ShardedDataParallel(build(), stage=4)
     torch.manual_seed(rank)
     different = nn.Linear(4, 4 + rank)
     with pytest.raises(RuntimeError, match="ShardedDataParallel: the model differs across ranks"):
@@ -219,8 +219,9 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2_ranks_and_in_a_bare_model(tmp_path
         torch.testing.assert_close(value, continued[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"bare {name}: {m}")
 
 
-def mixed_precision_against_fsdp2(rank, world):
-    """bf16 compute, fp32 master and reduction: the same arithmetic as torch's FSDP2 with the same policy."""
+def mixed_precision_against_fsdp2(rank, world, stage):
+    """bf16 compute, fp32 master and reduction: the same arithmetic as torch's FSDP2 with the same policy (stage 3:
+    each Linear a unit, resharded after forward, as each is a fully_shard unit)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     def mlp():
@@ -228,15 +229,16 @@ def mixed_precision_against_fsdp2(rank, world):
         return nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 13), nn.GELU(), nn.Linear(13, 3))
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ours = torchpar.ShardedDataParallel(mlp(), stage=2, mp_policy=policy)
+    ours = torchpar.ShardedDataParallel(mlp(), stage=stage, mp_policy=policy,
+                                        units=["0", "2", "4"] if stage == 3 else None)
     assert all(p.dtype == torch.bfloat16 for p in ours.module.parameters())
     assert all(s.dtype == torch.float32 for s in ours.shard_parameters())
     ours_optimizer = torchpar.ShardedOptimizer(ours, torch.optim.Adam, lr=0.01)
     theirs = mlp()
     for layer in theirs:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=policy, reshard_after_forward=False)
-    fully_shard(theirs, mp_policy=policy, reshard_after_forward=False)
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=stage == 3)
+    fully_shard(theirs, mp_policy=policy, reshard_after_forward=stage == 3)
     theirs_optimizer = torch.optim.Adam(theirs.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(3 + rank)
     for _ in range(STEPS):
@@ -251,9 +253,50 @@ def mixed_precision_against_fsdp2(rank, world):
     for name, parameter in theirs.named_parameters():
         expected = parameter.full_tensor().detach()
         torch.testing.assert_close(masters[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"master {name}: {m}")
-        assert torch.equal(dict(ours.module.named_parameters())[name], expected.to(torch.bfloat16)), name
+        if stage == 2:  # stage 3's parameters hold no values between steps
+            assert torch.equal(dict(ours.module.named_parameters())[name], expected.to(torch.bfloat16)), name
     return True
 
 
-def test_mixed_precision_policy_equals_fsdp2_with_the_same_policy():
-    assert run_on_ranks(2, mixed_precision_against_fsdp2, deadline_s=180) == [True, True]
+@pytest.mark.parametrize("stage", [2, 3])
+def test_mixed_precision_policy_equals_fsdp2_with_the_same_policy(stage):
+    assert run_on_ranks(2, mixed_precision_against_fsdp2, stage, deadline_s=180) == [True, True]
+
+
+def stage_3(rank, world):
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    for reshard_after_forward in (True, False):
+        for optimizer_name, (optimizer_class, defaults) in OPTIMIZERS.items():
+            context = f"stage 3 {optimizer_name} reshard_after_forward={reshard_after_forward} on {world} ranks"
+            # Units: `hidden` and `out`; the tied embed/decoder and the frozen layer stay in the root.
+            model = torchpar.ShardedDataParallel(build(), stage=3, units=["hidden", "out"],
+                                                 reshard_after_forward=reshard_after_forward)
+            optimizer = torchpar.ShardedOptimizer(model, optimizer_class, **defaults)
+            unit_parameters = list(model.module.hidden.parameters()) + list(model.module.out.parameters())
+            # Between steps a rank holds no unit's parameters, only its shard.
+            assert all(p.untyped_storage().nbytes() == 0 for p in model.module.parameters() if p.requires_grad)
+            for ids, targets in batches(world):
+                optimizer.zero_grad()
+                logits = model(ids[mine])
+                if reshard_after_forward:  # freed after their forward: the autograd graph's copies hold nothing
+                    assert all(p.untyped_storage().nbytes() == 0 for p in unit_parameters), context
+                nn.functional.cross_entropy(logits, targets[mine]).backward()
+                assert all(p.grad is None for p in model.module.parameters()), context
+                assert all(p.untyped_storage().nbytes() == 0 for p in unit_parameters), context
+                optimizer.step()
+                # Gathered forward (and, resharded, again for backward) plus one reduce-scatter: up to 1.5x DDP's.
+                reduce_scatter = model._coordinator.reduce_scatter_bytes
+                assert 2 * reduce_scatter <= model.bytes_sent_last_step <= 3 * reduce_scatter, context
+            full = model.state_dict()
+            reference = one_process(optimizer_name, world)
+            for name, expected in reference.named_parameters():
+                torch.testing.assert_close(full[f"module.{name}"], expected.detach(), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{context} {name}: {m}")
+    with pytest.raises(ValueError, match="no submodule 'hiden'"):
+        torchpar.ShardedDataParallel(build(), stage=3, units=["hiden"])
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage_3_trains_as_one_process_holding_only_its_shard_between_units(world):
+    assert run_on_ranks(world, stage_3, deadline_s=300) == [True] * world

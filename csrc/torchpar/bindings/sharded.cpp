@@ -16,7 +16,8 @@ void bind_sharded(py::module_& module) {
       .def(py::init([](NamedTensors parameters, NamedTensors buffers,
                        c10::intrusive_ptr<c10d::ProcessGroup> process_group, int stage, double bucket_cap_mb,
                        bool broadcast_buffers, std::optional<at::ScalarType> param_dtype,
-                       std::optional<at::ScalarType> reduce_dtype) {
+                       std::optional<at::ScalarType> reduce_dtype, std::vector<std::string> units,
+                       bool reshard_after_forward) {
              return std::make_unique<ShardedCoordinator>(std::move(parameters), std::move(buffers),
                                                          sharded::ShardedOptions()
                                                              .process_group(std::move(process_group))
@@ -24,11 +25,14 @@ void bind_sharded(py::module_& module) {
                                                              .bucket_cap_mb(bucket_cap_mb)
                                                              .broadcast_buffers(broadcast_buffers)
                                                              .param_dtype(param_dtype)
-                                                             .reduce_dtype(reduce_dtype));
+                                                             .reduce_dtype(reduce_dtype)
+                                                             .units(std::move(units))
+                                                             .reshard_after_forward(reshard_after_forward));
            }),
            py::arg("parameters"), py::arg("buffers"), py::arg("process_group"), py::arg("stage"),
            py::arg("bucket_cap_mb"), py::arg("broadcast_buffers"), py::arg("param_dtype") = py::none(),
-           py::arg("reduce_dtype") = py::none(), py::call_guard<py::gil_scoped_release>())
+           py::arg("reduce_dtype") = py::none(), py::arg("units") = std::vector<std::string>{},
+           py::arg("reshard_after_forward") = true, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shard", &ShardedCoordinator::shard)
       .def_property_readonly("stage", &ShardedCoordinator::stage)
       .def_property("grad_sync", &ShardedCoordinator::grad_sync, &ShardedCoordinator::set_grad_sync)
@@ -53,6 +57,15 @@ void bind_sharded(py::module_& module) {
       .def("gather_full", &ShardedCoordinator::gather_full, py::arg("shard"), py::arg("shard_like"),
            py::call_guard<py::gil_scoped_release>())
       .def("shard_of", &ShardedCoordinator::shard_of, py::arg("shard"), py::arg("full"))
+      .def_property_readonly("unit_count", &ShardedCoordinator::unit_count)
+      .def("before_unit_forward", &ShardedCoordinator::before_unit_forward, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("after_unit_forward", &ShardedCoordinator::after_unit_forward, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("before_unit_backward", &ShardedCoordinator::before_unit_backward, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("gather_all", &ShardedCoordinator::gather_all, py::call_guard<py::gil_scoped_release>())
+      .def("release_all", &ShardedCoordinator::release_all, py::call_guard<py::gil_scoped_release>())
       .def("zero_parameter_gradients", &ShardedCoordinator::zero_parameter_gradients)
       .def_property_readonly("bytes_sent_last_step", &ShardedCoordinator::bytes_sent_last_step)
       .def_property_readonly("reduce_scatter_bytes",

@@ -8,6 +8,8 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace torchpar::sharded {
 
@@ -15,9 +17,17 @@ struct ShardedOptions {
   // The data-parallel group the state is sharded over (required).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
   // ZeRO's stage: 1 shards the optimizer state (each rank keeps its full local gradients until zero_grad),
-  // 2 also the gradients (a parameter's gradient is released once its bucket is reduce-scattered).
+  // 2 also the gradients (a parameter's gradient is released once its bucket is reduce-scattered), 3 also
+  // the parameters (each unit's gathered only around its forward and its backward).
   TORCH_ARG(int, stage) = 2;
-  // Gradient bytes per reduce-scatter (and per all-gather of the updated parameters).
+  // Stage 3's units, by module name ("layers.0"): a parameter belongs to the unit of the longest name its
+  // own name starts with, else (or when two of its names, tied, fall in different units) to the root unit,
+  // which stays gathered from the forward to the end of backward. Given in forward order.
+  TORCH_ARG(std::vector<std::string>, units);
+  // Stage 3: free a unit's parameters after its forward and gather them again for its backward (ZeRO-3), or
+  // keep them until its gradients are reduced (less traffic, ZeRO-2's memory for them in between).
+  TORCH_ARG(bool, reshard_after_forward) = true;
+  // Gradient bytes per reduce-scatter (and per all-gather of the updated parameters); stages 1 and 2.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   // Rank 0's buffers (BatchNorm's running statistics) copied to every rank before each synchronised forward,
   // as DDP's broadcast_buffers.

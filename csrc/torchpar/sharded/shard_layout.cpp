@@ -22,20 +22,19 @@ int64_t ShardLayout::reduce_scatter_bytes() const {
   return bytes;
 }
 
-ShardLayout build_shard_layout(const std::vector<int64_t>& numels, const std::vector<c10::ScalarType>& dtypes,
-                               const std::vector<size_t>& order, size_t bucket_cap_bytes, int world) {
-  TORCH_CHECK(world >= 1, "sharded: a group of ", world, " ranks");
-  TORCH_CHECK(numels.size() == dtypes.size(), "sharded: ", numels.size(), " sizes for ", dtypes.size(), " dtypes");
-  std::vector<BucketableParameter> bucketable;
-  for (size_t i = 0; i < numels.size(); ++i) {
-    bucketable.push_back({static_cast<size_t>(numels[i]) * c10::elementSize(dtypes[i]), dtypes[i]});
-  }
+namespace {
+
+// The buckets given as lists of parameter indices, each of one dtype, laid out in that order.
+ShardLayout lay_out(const std::vector<std::vector<size_t>>& buckets, const std::vector<int>& units,
+                    const std::vector<int64_t>& numels, const std::vector<c10::ScalarType>& dtypes, int world) {
   ShardLayout layout;
   layout.world = world;
   layout.location.resize(numels.size());
-  for (auto& indices : assign_buckets(bucketable, order, {bucket_cap_bytes})) {
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const auto& indices = buckets[b];
     ShardBucket bucket;
     bucket.dtype = dtypes[indices.front()];
+    bucket.unit = units[b];
     int64_t offset = 0;
     for (size_t index : indices) {
       layout.location[index] = {layout.buckets.size(), bucket.slots.size()};
@@ -55,6 +54,50 @@ ShardLayout build_shard_layout(const std::vector<int64_t>& numels, const std::ve
     layout.buckets.push_back(std::move(bucket));
   }
   return layout;
+}
+
+void check_sizes(const std::vector<int64_t>& numels, const std::vector<c10::ScalarType>& dtypes, int world) {
+  TORCH_CHECK(world >= 1, "sharded: a group of ", world, " ranks");
+  TORCH_CHECK(numels.size() == dtypes.size(), "sharded: ", numels.size(), " sizes for ", dtypes.size(), " dtypes");
+}
+
+} // namespace
+
+ShardLayout build_shard_layout(const std::vector<int64_t>& numels, const std::vector<c10::ScalarType>& dtypes,
+                               const std::vector<size_t>& order, size_t bucket_cap_bytes, int world) {
+  check_sizes(numels, dtypes, world);
+  std::vector<BucketableParameter> bucketable;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    bucketable.push_back({static_cast<size_t>(numels[i]) * c10::elementSize(dtypes[i]), dtypes[i]});
+  }
+  auto buckets = assign_buckets(bucketable, order, {bucket_cap_bytes});
+  return lay_out(buckets, std::vector<int>(buckets.size(), -1), numels, dtypes, world);
+}
+
+ShardLayout build_unit_layout(const std::vector<int64_t>& numels, const std::vector<c10::ScalarType>& dtypes,
+                              const std::vector<int>& unit_of, int units, int world) {
+  check_sizes(numels, dtypes, world);
+  TORCH_CHECK(unit_of.size() == numels.size(), "sharded: ", unit_of.size(), " units for ", numels.size(),
+              " parameters");
+  std::vector<std::vector<size_t>> buckets;
+  std::vector<int> bucket_units;
+  for (int unit = units - 1; unit >= 0; --unit) {
+    std::vector<c10::ScalarType> seen;
+    for (size_t i = 0; i < numels.size(); ++i) {
+      TORCH_CHECK(unit_of[i] >= 0 && unit_of[i] < units, "sharded: parameter ", i, " in unit ", unit_of[i],
+                  " of ", units);
+      if (unit_of[i] != unit) continue;
+      auto known = std::find(seen.begin(), seen.end(), dtypes[i]);
+      if (known == seen.end()) {
+        seen.push_back(dtypes[i]);
+        buckets.emplace_back();
+        bucket_units.push_back(unit);
+        known = std::prev(seen.end());
+      }
+      buckets[buckets.size() - seen.size() + static_cast<size_t>(known - seen.begin())].push_back(i);
+    }
+  }
+  return lay_out(buckets, bucket_units, numels, dtypes, world);
 }
 
 } // namespace torchpar::sharded

@@ -19,6 +19,7 @@ struct ShardSlot {
 
 struct ShardBucket {
   c10::ScalarType dtype = c10::ScalarType::Float;
+  int unit = -1;  // stage 3: the unit whose parameters these are (-1: buckets by size)
   std::vector<ShardSlot> slots;
   int64_t padded_numel = 0;  // the slots' elements, then zeros up to a multiple of the group size
   int64_t piece_numel = 0;   // padded_numel / world: each rank's piece
@@ -42,5 +43,10 @@ struct ShardLayout {
 // reverse_registration_order), the byte cap of a bucket, the group's size.
 ShardLayout build_shard_layout(const std::vector<int64_t>& numels, const std::vector<c10::ScalarType>& dtypes,
                                const std::vector<size_t>& order, size_t bucket_cap_bytes, int world);
+
+// Stage 3: one bucket per unit and dtype, units in backward order (the last unit's first); `unit_of[i]` is
+// parameter i's unit in 0..units-1, in forward order.
+ShardLayout build_unit_layout(const std::vector<int64_t>& numels, const std::vector<c10::ScalarType>& dtypes,
+                              const std::vector<int>& unit_of, int units, int world);
 
 } // namespace torchpar::sharded

@@ -13,9 +13,11 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
-#include <unordered_set>
+#include <string>
+#include <unordered_map>
 
 namespace torchpar::sharded {
 namespace {
@@ -36,6 +38,22 @@ c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor&
 }
 #pragma GCC diagnostic pop
 
+// The unit (1 + index into `units`) of the longest unit name `name` starts with, or 0: the root.
+int unit_of_name(const std::vector<std::string>& units, const std::string& name) {
+  int best = 0;
+  size_t best_length = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const auto& prefix = units[u];
+    const bool inside = name.size() > prefix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
+                        name[prefix.size()] == '.';
+    if (inside && prefix.size() >= best_length) {
+      best = static_cast<int>(u) + 1;
+      best_length = prefix.size();
+    }
+  }
+  return best;
+}
+
 } // namespace
 
 ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buffers, ShardedOptions options)
@@ -43,24 +61,42 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
   TORCH_CHECK(options_.process_group(),
               "ShardedDataParallel: no process group; set ShardedOptions::process_group to the group "
               "torchpar::init_process_group returned");
-  TORCH_CHECK(options_.stage() == 1 || options_.stage() == 2, "ShardedDataParallel: stage ", options_.stage(),
-              " is not one torchpar implements; stages 1 (optimizer state) and 2 (and gradients) are");
+  TORCH_CHECK(options_.stage() >= 1 && options_.stage() <= 3, "ShardedDataParallel: stage ", options_.stage(),
+              " does not exist; stages 1 (optimizer state), 2 (and gradients) and 3 (and parameters) do");
+  TORCH_CHECK(options_.stage() == 3 || options_.units().empty(), "ShardedDataParallel: units are stage 3's; stage ",
+              options_.stage(), " keeps the parameters whole");
   TORCH_CHECK(options_.bucket_cap_mb() > 0, "ShardedDataParallel: bucket_cap_mb must be > 0, got ",
               options_.bucket_cap_mb());
   auto& group = *options_.process_group();
   // A tensor two modules share (tied weights) is one parameter: its gradient already sums both uses.
-  std::unordered_set<const void*> seen;
+  std::unordered_map<const void*, size_t> index_of;
   NamedTensors distinct;
+  std::vector<int> unit_of;
+  units_ = static_cast<int>(options_.units().size()) + 1;
   for (auto& [name, parameter] : parameters) {
-    if (!seen.insert(parameter.unsafeGetTensorImpl()).second) continue;
+    const int unit = unit_of_name(options_.units(), name);
+    const auto [known, added] = index_of.emplace(parameter.unsafeGetTensorImpl(), parameters_.size());
+    if (!added) {
+      // A tied parameter whose names fall in different units belongs to the root, which holds it throughout.
+      if (known->second != SIZE_MAX && unit_of[known->second] != unit) unit_of[known->second] = 0;
+      continue;
+    }
     distinct.emplace_back(name, parameter);
     if (parameter.requires_grad()) {
       parameters_.push_back(parameter);
       names_.push_back(name);
+      unit_of.push_back(unit);
+    } else {
+      index_of[parameter.unsafeGetTensorImpl()] = SIZE_MAX;
     }
   }
   TORCH_CHECK(!parameters_.empty(),
               "ShardedDataParallel is not needed when a module doesn't have any parameter that requires a gradient");
+  for (int unit = 1; unit < units_; ++unit) {
+    TORCH_CHECK(std::count(unit_of.begin(), unit_of.end(), unit) > 0, "ShardedDataParallel: unit '",
+                options_.units()[unit - 1], "' holds no trained parameter of its own: no module of that name, or "
+                "a nested unit or the root (tied weights) took them all");
+  }
   const at::Device device = parameters_.front().device();
   check_same_model(group, distinct, buffers_, device, "ShardedDataParallel");
   {
@@ -77,8 +113,10 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
     numels.push_back(parameter.numel());
     dtypes.push_back(parameter.scalar_type());
   }
-  layout_ = build_shard_layout(numels, dtypes, reverse_registration_order(parameters_.size()),
-                               static_cast<size_t>(options_.bucket_cap_mb() * (1 << 20)), group.getSize());
+  layout_ = options_.stage() == 3
+                ? build_unit_layout(numels, dtypes, unit_of, units_, group.getSize())
+                : build_shard_layout(numels, dtypes, reverse_registration_order(parameters_.size()),
+                                     static_cast<size_t>(options_.bucket_cap_mb() * (1 << 20)), group.getSize());
   for (const auto& [dtype, length] : layout_.shards) {
     shard_.push_back(at::zeros({length}, at::TensorOptions().dtype(dtype).device(device)));
   }
@@ -103,10 +141,28 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
     at::NoGradGuard no_grad;
     for (auto& entry : distinct) {
       auto& parameter = entry.second;
-      if (c10::isFloatingType(parameter.scalar_type())) {
+      if (c10::isFloatingType(parameter.scalar_type()) && (options_.stage() < 3 || !parameter.requires_grad())) {
         parameter.set_data(parameter.detach().to(*options_.param_dtype()));
       }
     }
+  }
+  if (options_.stage() == 3) {
+    // Each bucket's parameters become views of one flat tensor (in the compute dtype), whose storage comes and
+    // goes; the values are in the shard meanwhile.
+    at::NoGradGuard no_grad;
+    for (const auto& bucket : layout_.buckets) {
+      auto flat = at::zeros({bucket.padded_numel}, shard_.front().options().dtype(compute_dtype(bucket.dtype))
+                                                       .requires_grad(false));
+      for (const auto& slot : bucket.slots) {
+        auto& parameter = parameters_[slot.parameter];
+        auto view = flat.narrow(0, slot.offset, slot.numel).view(parameter.sizes());
+        view.copy_(parameter.detach());
+        parameter.set_data(view);
+      }
+      unsharded_.push_back(flat);
+      gathered_.push_back(true);
+    }
+    for (size_t b = 0; b < layout_.buckets.size(); ++b) release_bucket(b);
   }
   ready_.assign(parameters_.size(), false);
   pending_.assign(layout_.buckets.size(), 0);
@@ -129,12 +185,15 @@ void ShardedCoordinator::pre_forward(bool will_sync) {
     for (const auto& entry : buffers_) buffers.push_back(entry.second);
     c10d::broadcast_coalesced(options_.process_group(), buffers, kBroadcastBucketBytes, 0);
   }
+  if (will_sync) bytes_sent_ = 0;
+  if (options_.stage() == 3) {
+    for_buckets_of(0, &ShardedCoordinator::gather_bucket);
+  }
   armed_ = will_sync;
   backward_started_ = false;
   ready_.assign(parameters_.size(), false);
   for (size_t b = 0; b < layout_.buckets.size(); ++b) pending_[b] = layout_.buckets[b].slots.size();
   next_bucket_ = 0;
-  if (will_sync) bytes_sent_ = 0;
 }
 
 void ShardedCoordinator::on_gradient_ready(size_t index) {
@@ -177,12 +236,15 @@ void ShardedCoordinator::launch(size_t index) {
     } else {
       destination.zero_();  // unused in this backward: it contributes nothing
     }
-    if (options_.stage() == 2) {
-      parameter.mutable_grad().reset();  // stage 2 keeps only the shard's part, once reduced
+    if (options_.stage() >= 2) {
+      parameter.mutable_grad().reset();  // stages 2 and 3 keep only the shard's part, once reduced
     }
     filled = slot.offset + slot.numel;
   }
   input.narrow(0, filled, bucket.padded_numel - filled).zero_();
+  if (options_.stage() == 3) {
+    release_bucket(index);  // its backward is done: every gradient it computes has arrived
+  }
   at::Tensor output = at::empty({bucket.piece_numel}, input.options());
   auto work = reduce_scatter(group, output, input);
   bytes_sent_ += bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(input.element_size());
@@ -216,10 +278,18 @@ void ShardedCoordinator::finish_backward() {
   while (!in_flight_.empty()) {
     complete_oldest();
   }
+  if (options_.stage() == 3) {
+    for (size_t b = 0; b < layout_.buckets.size(); ++b) release_bucket(b);  // the root's too
+  }
 }
 
 void ShardedCoordinator::gather_parameters() {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (options_.stage() == 3) {
+    // Nothing to send: each unit gathers the new values when it next runs; what is gathered now is stale.
+    for (size_t b = 0; b < layout_.buckets.size(); ++b) release_bucket(b);
+    return;
+  }
   at::NoGradGuard no_grad;
   auto& group = *options_.process_group();
   for (const auto& bucket : layout_.buckets) {
@@ -311,6 +381,70 @@ at::Tensor ShardedCoordinator::shard_of(size_t shard, const std::vector<at::Tens
     }
   }
   return result;
+}
+
+void ShardedCoordinator::gather_bucket(size_t index) {
+  if (gathered_[index]) return;
+  const auto& bucket = layout_.buckets[index];
+  auto& flat = unsharded_[index];
+  auto* storage = flat.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(bucket.padded_numel) * flat.element_size();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+  at::NoGradGuard no_grad;
+  auto& group = *options_.process_group();
+  at::Tensor piece = shard_[layout_.shard_index(bucket.dtype)]
+                         .detach()
+                         .narrow(0, bucket.shard_offset, bucket.piece_numel)
+                         .to(flat.scalar_type())
+                         .contiguous();
+  all_gather(group, flat, piece)->wait();
+  bytes_sent_ += bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(piece.element_size());
+  gathered_[index] = true;
+}
+
+void ShardedCoordinator::release_bucket(size_t index) {
+  if (!gathered_[index]) return;
+  auto* storage = unsharded_[index].storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, unsharded_[index].device()));
+  storage->set_nbytes(0);
+  gathered_[index] = false;
+}
+
+void ShardedCoordinator::for_buckets_of(int unit, void (ShardedCoordinator::*action)(size_t)) {
+  TORCH_CHECK(options_.stage() == 3, "ShardedDataParallel: units are stage 3's; this model is at stage ",
+              options_.stage());
+  TORCH_CHECK(unit >= 0 && unit < units_, "ShardedDataParallel: no unit ", unit, " (there are ", units_, ")");
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    if (layout_.buckets[b].unit == unit) (this->*action)(b);
+  }
+}
+
+void ShardedCoordinator::before_unit_forward(int unit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for_buckets_of(unit, &ShardedCoordinator::gather_bucket);
+}
+
+void ShardedCoordinator::after_unit_forward(int unit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (options_.reshard_after_forward() && unit != 0) {
+    for_buckets_of(unit, &ShardedCoordinator::release_bucket);
+  }
+}
+
+void ShardedCoordinator::before_unit_backward(int unit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for_buckets_of(unit, &ShardedCoordinator::gather_bucket);
+}
+
+void ShardedCoordinator::gather_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int unit = 0; unit < units_; ++unit) for_buckets_of(unit, &ShardedCoordinator::gather_bucket);
+}
+
+void ShardedCoordinator::release_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int unit = 0; unit < units_; ++unit) for_buckets_of(unit, &ShardedCoordinator::release_bucket);
 }
 
 c10::ScalarType ShardedCoordinator::compute_dtype(c10::ScalarType dtype) const {

@@ -66,6 +66,17 @@ class ShardedCoordinator {
   // parameter i; only the parameters of that shard's dtype are read), padding zero. Local.
   at::Tensor shard_of(size_t shard, const std::vector<at::Tensor>& full) const;
 
+  // Stage 3. Unit 0 is the root (what no unit holds); unit k + 1 is ShardedOptions::units()[k]. Called by the
+  // module wrappers around each unit's forward (Python's forward hooks) and before its backward (a hook on its
+  // outputs' gradients). Gathering is collective over the group: every rank runs the same units in order.
+  int unit_count() const { return units_; }
+  void before_unit_forward(int unit);
+  void after_unit_forward(int unit);
+  void before_unit_backward(int unit);
+  // Every unit gathered (to read or save the whole model), and released again.
+  void gather_all();
+  void release_all();
+
   // Bytes this rank sent in the last step's reduce-scatters and all-gathers (ring algorithm's count).
   int64_t bytes_sent_last_step() const { return bytes_sent_; }
 
@@ -78,6 +89,11 @@ class ShardedCoordinator {
   // What a bucket of master dtype `dtype` is reduced and gathered in, under the mixed-precision options.
   c10::ScalarType reduce_dtype(c10::ScalarType dtype) const;
   c10::ScalarType compute_dtype(c10::ScalarType dtype) const;
+  // Stage 3: a bucket's parameters, views of one flat tensor whose storage is allocated and filled by an
+  // all-gather, or freed (every view, autograd's saved ones included, then holds no memory).
+  void gather_bucket(size_t bucket);
+  void release_bucket(size_t bucket);
+  void for_buckets_of(int unit, void (ShardedCoordinator::*action)(size_t));
 
   std::vector<at::Tensor> parameters_;  // trained, distinct
   std::vector<std::string> names_;
@@ -85,6 +101,9 @@ class ShardedCoordinator {
   ShardedOptions options_;
   ShardLayout layout_;
   std::vector<at::Tensor> shard_;
+  int units_ = 1;
+  std::vector<at::Tensor> unsharded_;  // stage 3: per bucket, the flat tensor its parameters view
+  std::vector<bool> gathered_;
   std::unique_ptr<GradientReadyHooks> hooks_;
   std::mutex mutex_;
   bool grad_sync_ = true;

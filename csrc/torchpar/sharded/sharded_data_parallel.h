@@ -44,9 +44,13 @@ class ShardedDataParallel {
         coordinator_(std::make_unique<ShardedCoordinator>(named_parameters_of(*module_),
                                                           named_buffers_of(*module_), std::move(options))) {}
 
+  // Stage 3: a LibTorch module has no forward hooks to gather each unit around its own forward, so the whole
+  // model is gathered for the forward and released unit by unit as backward reduces it (Python's wrapper
+  // gathers unit by unit).
   template <typename... Args>
   auto forward(Args&&... args) {
     coordinator_->pre_forward(coordinator_->will_sync());
+    if (coordinator_->stage() == 3) coordinator_->gather_all();
     return module_->forward(std::forward<Args>(args)...);
   }
   template <typename... Args>
