@@ -1,12 +1,12 @@
 """python -m torchpar.bench: every benchmark, each with its anchor in the same run, into one report.
 
-    python -m torchpar.bench [collectives ddp pipeline ps tp plan | all] [--quick] [--out benchmarks/results]
+    python -m torchpar.bench [collectives ddp sharded pipeline ps tp plan | all] [--quick] [--out benchmarks/results]
 
 Runs the scripts under benchmarks/ (each stays runnable on its own; `plan` runs ``python -m torchpar.plan`` with
 --verify on the deep MLP) one after the other, then writes <out>/report.md and report.html: the machine (CPU,
 cores, memory, torch version), every benchmark's tables and plots, and a comparison with the previous report in
 the same folder (run with the same --quick) — every ratio column (a header with "/", "ratio" or "speed-up") of
-every row, flagged when it fell by more than 10%. --quick runs each benchmark's short form (about 5 minutes in
+every row, flagged when it fell by more than 10%. --quick runs each benchmark's short form (about 6 minutes in
 all on 2 cores).
 Needs a source checkout (the benchmarks are not part of the installed package).
 """
@@ -41,14 +41,17 @@ def commands(name: str, quick: bool, out: pathlib.Path) -> list[str]:
     if name == "plan":
         return [sys.executable, "-m", "torchpar.plan", "--model", "torchpar.plan.examples:deep_mlp",
                 "--batch", "64", "--world", "2", "--verify", "2", "--verify-each-strategy", "--out", str(out / "plan")]
-    file = {"ddp": "ddp.py", "pipeline": "pipeline.py", "ps": "ps.py", "tp": "tensor_parallel.py"}[name]
-    extra = {"ddp": ["--worlds", "2"], "pipeline": ["--worlds", "2"]}.get(name, []) if quick else []
+    file = {"ddp": "ddp.py", "sharded": "sharded.py", "pipeline": "pipeline.py", "ps": "ps.py",
+            "tp": "tensor_parallel.py"}[name]
+    extra = {"ddp": ["--worlds", "2"], "sharded": ["--worlds", "2"], "pipeline": ["--worlds", "2"]}.get(name, []) \
+        if quick else []
     return script(file) + extra + (["--quick"] if quick else [])
 
 
 SECTIONS = {
     "collectives": ("Collectives: shm vs Gloo", ["collectives.png"]),
     "ddp": ("DDP: torchpar vs torch's DistributedDataParallel", ["ddp.png"]),
+    "sharded": ("Sharded data parallelism (ZeRO 1-2): torchpar vs torch's ZeRO and FSDP2", ["sharded.png"]),
     "pipeline": ("Pipeline: torchpar vs torch.distributed.pipelining", ["pipeline.png"]),
     "ps": ("Parameter server: torchpar vs the torch.distributed.rpc pattern", ["ps.png"]),
     "tp": ("Tensor parallelism: torchpar vs torch.distributed.tensor.parallel", ["tensor_parallel.png"]),
@@ -162,7 +165,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     # Checked here, not by argparse's choices, which refuse an empty list (Python 3.11).
     parser.add_argument("benchmarks", nargs="*", help=f"any of {', '.join(SECTIONS)}; default: all")
-    parser.add_argument("--quick", action="store_true", help="each benchmark's short form (~5 minutes in all)")
+    parser.add_argument("--quick", action="store_true", help="each benchmark's short form (~6 minutes in all)")
     parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS / "results")
     args = parser.parse_args(argv)
     unknown = [name for name in args.benchmarks if name not in (*SECTIONS, "all")]
