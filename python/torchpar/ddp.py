@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _C
+from .grad_sync import sync_disabled
 from .same_host import shm_group_beside
 
 logger = logging.getLogger("torchpar.ddp")
@@ -364,15 +365,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._coordinator.post_forward(_find_tensors(output) if will_sync else [], will_sync)
         return output
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate gradients locally; the next synchronised one averages the sum."""
-        previous = self._coordinator.grad_sync
-        self._coordinator.grad_sync = False
-        try:
-            yield
-        finally:
-            self._coordinator.grad_sync = previous
+        return sync_disabled(self._coordinator)
 
     def join(
         self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False

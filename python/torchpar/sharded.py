@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import _C
+from .grad_sync import sync_disabled
 
 __all__ = ["ShardedDataParallel", "ShardedOptimizer"]
 
@@ -80,15 +81,9 @@ class ShardedDataParallel(nn.Module):
             kwargs = {key: cast(value) for key, value in kwargs.items()}
         return self.module(*inputs, **kwargs)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate gradients locally; the next synchronised one reduces the sum."""
-        previous = self._coordinator.grad_sync
-        self._coordinator.grad_sync = False
-        try:
-            yield
-        finally:
-            self._coordinator.grad_sync = previous
+        return sync_disabled(self._coordinator)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model's averaged gradients (collective): the shards'

@@ -10,6 +10,7 @@
 // The wrapped module keeps its parameters; the optimizer is built on model->parameters() as usual.
 #pragma once
 #include <torchpar/common/module_tensors.h>
+#include <torchpar/common/no_sync_guard.h>
 #include <torchpar/ddp/options.h>
 #include <torchpar/ddp/replica_coordinator.h>
 
@@ -46,21 +47,7 @@ template <typename T>
 void collect_tensors(const T&, std::vector<at::Tensor>&) {}
 } // namespace detail
 
-// Restores gradient synchronisation when it leaves scope (torch's `with ddp.no_sync():`).
-class NoSyncGuard {
- public:
-  explicit NoSyncGuard(ReplicaCoordinator& coordinator)
-      : coordinator_(coordinator), previous_(coordinator.grad_sync()) {
-    coordinator_.set_grad_sync(false);
-  }
-  ~NoSyncGuard() { coordinator_.set_grad_sync(previous_); }
-  NoSyncGuard(const NoSyncGuard&) = delete;
-  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-
- private:
-  ReplicaCoordinator& coordinator_;
-  bool previous_;
-};
+using NoSyncGuard = torchpar::NoSyncGuard<ReplicaCoordinator>;
 
 // `ModuleHolder` is a LibTorch module holder (torch::nn::Sequential, or a TORCH_MODULE(Net) type).
 template <typename ModuleHolder>

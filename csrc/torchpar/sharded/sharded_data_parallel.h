@@ -9,6 +9,7 @@
 //   optimizer.step();                  // this rank's shard stepped, then every rank's shard all-gathered
 #pragma once
 #include <torchpar/common/module_tensors.h>
+#include <torchpar/common/no_sync_guard.h>
 #include <torchpar/sharded/sharded_coordinator.h>
 #include <torchpar/sharded/sharded_optimizer.h>
 
@@ -19,21 +20,7 @@
 
 namespace torchpar::sharded {
 
-// Backward passes inside accumulate gradients locally; the next synchronised one reduces the sum.
-class NoSyncGuard {
- public:
-  explicit NoSyncGuard(ShardedCoordinator& coordinator)
-      : coordinator_(coordinator), previous_(coordinator.grad_sync()) {
-    coordinator_.set_grad_sync(false);
-  }
-  ~NoSyncGuard() { coordinator_.set_grad_sync(previous_); }
-  NoSyncGuard(const NoSyncGuard&) = delete;
-  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-
- private:
-  ShardedCoordinator& coordinator_;
-  bool previous_;
-};
+using NoSyncGuard = torchpar::NoSyncGuard<ShardedCoordinator>;
 
 // `ModuleHolder` is a LibTorch module holder (torch::nn::Sequential, or a TORCH_MODULE(Net) type).
 template <typename ModuleHolder>
