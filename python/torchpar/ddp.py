@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _C
-from .grad_sync import sync_disabled
+from .grad_sync import sync_disabled, tensors_in
 from .same_host import shm_group_beside
 
 logger = logging.getLogger("torchpar.ddp")
@@ -105,19 +105,6 @@ class _DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._coordinator.synchronise_final_model()
-
-
-def _find_tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor in a forward's output (nested tuples, lists, dicts, dataclasses)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _find_tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _find_tensors(item)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [t for field in dataclasses.fields(value) for t in _find_tensors(getattr(value, field.name))]
-    return []
 
 
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
@@ -362,7 +349,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         will_sync = torch.is_grad_enabled() and self._coordinator.grad_sync
         self._coordinator.pre_forward(will_sync)
         output = self.module(*inputs, **kwargs)
-        self._coordinator.post_forward(_find_tensors(output) if will_sync else [], will_sync)
+        self._coordinator.post_forward(tensors_in(output) if will_sync else [], will_sync)
         return output
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator
+
+import torch
 
 
 @contextlib.contextmanager
@@ -14,3 +17,16 @@ def sync_disabled(coordinator: Any) -> Iterator[None]:
         yield
     finally:
         coordinator.grad_sync = previous
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a forward's output (nested tuples, lists, dicts, dataclasses)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_in(item)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for field in dataclasses.fields(value) for t in tensors_in(getattr(value, field.name))]
+    return []

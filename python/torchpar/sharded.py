@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C
-from .grad_sync import sync_disabled
+from .grad_sync import sync_disabled, tensors_in
 
 __all__ = ["ShardedDataParallel", "ShardedOptimizer"]
 
@@ -142,22 +142,12 @@ def _gather_around(unit_module: nn.Module, coordinator: Any, unit: int) -> None:
 
     def after_forward(_module: nn.Module, _inputs: Any, output: Any) -> None:
         coordinator.after_unit_forward(unit)
-        for tensor in _tensors_in(output):
+        for tensor in tensors_in(output):
             if tensor.requires_grad:
                 tensor.register_hook(before_backward)
 
     unit_module.register_forward_pre_hook(before_forward)
     unit_module.register_forward_hook(after_forward)
-
-
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors_in(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors_in(item)]
-    return []
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

@@ -117,21 +117,10 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
                 ? build_unit_layout(numels, dtypes, unit_of, units_, group.getSize())
                 : build_shard_layout(numels, dtypes, reverse_registration_order(parameters_.size()),
                                      static_cast<size_t>(options_.bucket_cap_mb() * (1 << 20)), group.getSize());
-  for (const auto& [dtype, length] : layout_.shards) {
-    shard_.push_back(at::zeros({length}, at::TensorOptions().dtype(dtype).device(device)));
-  }
-  const int rank = group.getRank();
-  for (const auto& bucket : layout_.buckets) {
-    auto& shard = shard_[layout_.shard_index(bucket.dtype)];
-    const int64_t piece_start = rank * bucket.piece_numel;
-    for (const auto& slot : bucket.slots) {
-      // The part of this parameter inside this rank's piece of the bucket, if any.
-      const int64_t from = std::max(slot.offset, piece_start);
-      const int64_t to = std::min(slot.offset + slot.numel, piece_start + bucket.piece_numel);
-      if (from >= to) continue;
-      shard.narrow(0, bucket.shard_offset + from - piece_start, to - from)
-          .copy_(parameters_[slot.parameter].detach().reshape(-1).narrow(0, from - slot.offset, to - from));
-    }
+  std::vector<at::Tensor> values;
+  for (const auto& parameter : parameters_) values.push_back(parameter.detach());
+  for (size_t shard = 0; shard < layout_.shards.size(); ++shard) {
+    shard_.push_back(shard_of(shard, values));
   }
   for (auto& shard : shard_) shard.set_requires_grad(true);
   if (options_.param_dtype()) {
@@ -291,14 +280,10 @@ void ShardedCoordinator::gather_parameters() {
     return;
   }
   at::NoGradGuard no_grad;
-  auto& group = *options_.process_group();
   for (const auto& bucket : layout_.buckets) {
     const auto& shard = shard_[layout_.shard_index(bucket.dtype)];
-    at::Tensor piece =
-        shard.detach().narrow(0, bucket.shard_offset, bucket.piece_numel).to(compute_dtype(bucket.dtype)).contiguous();
-    at::Tensor gathered = at::empty({bucket.padded_numel}, piece.options());
-    all_gather(group, gathered, piece)->wait();
-    bytes_sent_ += bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(piece.element_size());
+    at::Tensor gathered = at::empty({bucket.padded_numel}, shard.options().dtype(compute_dtype(bucket.dtype)));
+    bytes_sent_ += all_gather_bucket(bucket, shard, gathered);
     for (const auto& slot : bucket.slots) {
       auto parameter = parameters_[slot.parameter].detach();
       parameter.copy_(gathered.narrow(0, slot.offset, slot.numel).view_as(parameter));
@@ -343,14 +328,12 @@ std::vector<std::pair<size_t, at::Tensor>> ShardedCoordinator::gather_full(size_
   TORCH_CHECK(shard_like.dim() == 1 && shard_like.numel() == shard_[shard].numel(), "ShardedDataParallel: a tensor "
               "of shape ", shard_like.sizes(), " is not shaped like shard ", shard, " (", shard_[shard].numel(), ")");
   at::NoGradGuard no_grad;
-  auto& group = *options_.process_group();
   const auto dtype = layout_.shards[shard].first;
   std::vector<std::pair<size_t, at::Tensor>> full;
   for (const auto& bucket : layout_.buckets) {
     if (bucket.dtype != dtype) continue;
-    at::Tensor piece = shard_like.detach().narrow(0, bucket.shard_offset, bucket.piece_numel).contiguous();
-    at::Tensor gathered = at::empty({bucket.padded_numel}, piece.options());
-    all_gather(group, gathered, piece)->wait();
+    at::Tensor gathered = at::empty({bucket.padded_numel}, shard_like.options());
+    all_gather_bucket(bucket, shard_like, gathered);
     for (const auto& slot : bucket.slots) {
       full.emplace_back(slot.parameter,
                         gathered.narrow(0, slot.offset, slot.numel).view(parameters_[slot.parameter].sizes()).clone());
@@ -360,12 +343,14 @@ std::vector<std::pair<size_t, at::Tensor>> ShardedCoordinator::gather_full(size_
 }
 
 at::Tensor ShardedCoordinator::shard_of(size_t shard, const std::vector<at::Tensor>& full) const {
-  TORCH_CHECK(shard < shard_.size(), "ShardedDataParallel: no shard ", shard, " (there are ", shard_.size(), ")");
+  TORCH_CHECK(shard < layout_.shards.size(), "ShardedDataParallel: no shard ", shard, " (there are ",
+              layout_.shards.size(), ")");
   TORCH_CHECK(full.size() == parameters_.size(), "ShardedDataParallel: ", full.size(), " tensors for ",
               parameters_.size(), " trained parameters");
-  const auto dtype = layout_.shards[shard].first;
+  const auto [dtype, length] = layout_.shards[shard];
   const int rank = options_.process_group()->getRank();
-  at::Tensor result = at::zeros_like(shard_[shard], at::MemoryFormat::Contiguous).detach();
+  at::Tensor result =
+      at::zeros({length}, at::TensorOptions().dtype(dtype).device(parameters_.front().device()));
   for (const auto& bucket : layout_.buckets) {
     if (bucket.dtype != dtype) continue;
     const int64_t piece_start = rank * bucket.piece_numel;
@@ -373,6 +358,7 @@ at::Tensor ShardedCoordinator::shard_of(size_t shard, const std::vector<at::Tens
       const auto& whole = full[slot.parameter];
       TORCH_CHECK(whole.numel() == slot.numel, "ShardedDataParallel: the tensor given for parameter ",
                   names_[slot.parameter], " has ", whole.numel(), " elements, the parameter ", slot.numel);
+      // The part of this parameter inside this rank's piece of the bucket, if any.
       const int64_t from = std::max(slot.offset, piece_start);
       const int64_t to = std::min(slot.offset + slot.numel, piece_start + bucket.piece_numel);
       if (from >= to) continue;
@@ -383,6 +369,18 @@ at::Tensor ShardedCoordinator::shard_of(size_t shard, const std::vector<at::Tens
   return result;
 }
 
+int64_t ShardedCoordinator::all_gather_bucket(const ShardBucket& bucket, const at::Tensor& shard_like,
+                                              at::Tensor& gathered) const {
+  at::NoGradGuard no_grad;
+  auto& group = *options_.process_group();
+  at::Tensor piece = shard_like.detach()
+                         .narrow(0, bucket.shard_offset, bucket.piece_numel)
+                         .to(gathered.scalar_type())
+                         .contiguous();
+  all_gather(group, gathered, piece)->wait();
+  return bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(piece.element_size());
+}
+
 void ShardedCoordinator::gather_bucket(size_t index) {
   if (gathered_[index]) return;
   const auto& bucket = layout_.buckets[index];
@@ -391,15 +389,7 @@ void ShardedCoordinator::gather_bucket(size_t index) {
   const size_t bytes = static_cast<size_t>(bucket.padded_numel) * flat.element_size();
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
-  at::NoGradGuard no_grad;
-  auto& group = *options_.process_group();
-  at::Tensor piece = shard_[layout_.shard_index(bucket.dtype)]
-                         .detach()
-                         .narrow(0, bucket.shard_offset, bucket.piece_numel)
-                         .to(flat.scalar_type())
-                         .contiguous();
-  all_gather(group, flat, piece)->wait();
-  bytes_sent_ += bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(piece.element_size());
+  bytes_sent_ += all_gather_bucket(bucket, shard_[layout_.shard_index(bucket.dtype)], flat);
   gathered_[index] = true;
 }
 

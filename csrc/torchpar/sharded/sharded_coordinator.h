@@ -92,6 +92,9 @@ class ShardedCoordinator {
   // Stage 3: a bucket's parameters, views of one flat tensor whose storage is allocated and filled by an
   // all-gather, or freed (every view, autograd's saved ones included, then holds no memory).
   void gather_bucket(size_t bucket);
+  // Every rank's piece of `bucket` in `shard_like` (shaped like its shard) into `gathered` (the bucket's padded
+  // length, in its dtype: the piece is cast to it). Collective. Returns the bytes this rank sent.
+  int64_t all_gather_bucket(const ShardBucket& bucket, const at::Tensor& shard_like, at::Tensor& gathered) const;
   void release_bucket(size_t bucket);
   void for_buckets_of(int unit, void (ShardedCoordinator::*action)(size_t));
 
