@@ -25,6 +25,7 @@ from torch import nn
 
 from . import _C
 from .grad_sync import sync_disabled, tensors_in
+from .same_host import shm_group_beside
 
 __all__ = ["ShardedDataParallel", "ShardedOptimizer"]
 
@@ -54,8 +55,12 @@ class ShardedDataParallel(nn.Module):
         unit_names = _unit_names(module, units) if stage == 3 else []
         if units is not None and stage != 3:
             raise ValueError(f"ShardedDataParallel: units are stage 3's; stage {stage} keeps the parameters whole")
+        # As DDP: on a Gloo group whose ranks share this host, the reduce-scatters and all-gathers go through
+        # shared memory (Gloo's reduce-scatter costs several all-reduces of the same bytes).
+        device = next(module.parameters(), torch.empty(0)).device
+        self._data_group = shm_group_beside(process_group, device) or process_group
         self._coordinator = _C.sharded.ShardedCoordinator(
-            list(module.named_parameters(remove_duplicate=False)), list(module.named_buffers()), process_group,
+            list(module.named_parameters(remove_duplicate=False)), list(module.named_buffers()), self._data_group,
             stage=stage, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
             param_dtype=getattr(mp_policy, "param_dtype", None), reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
             units=unit_names, reshard_after_forward=reshard_after_forward)
@@ -90,16 +95,29 @@ class ShardedDataParallel(nn.Module):
         gradients scaled; returns the total norm."""
         return torch.tensor(self._coordinator.clip_grad_norm(float(max_norm), float(norm_type)))
 
+    def unshard(self) -> None:
+        """Stage 3: every unit's parameters gathered (collective), to read them whole outside a forward or
+        backward, as FSDP2's ``FSDPModule.unshard``; ``reshard()`` frees them again. Between steps a stage-3
+        parameter views no memory, and reading it without this is undefined (as FSDP1's freed storage).
+        Stages 1 and 2 hold the whole parameters anyway: nothing to do."""
+        if self.stage == 3:
+            self._coordinator.gather_all()
+
+    def reshard(self) -> None:
+        """Stage 3: every unit's gathered parameters freed again (the rank keeps its shard)."""
+        if self.stage == 3:
+            self._coordinator.release_all()
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """As ``nn.Module.state_dict`` (keys ``module.…``, as DDP's); at stage 3 every unit is gathered for it (a
         collective) and the values are copies."""
         if self.stage != 3:
             return super().state_dict(*args, **kwargs)
-        self._coordinator.gather_all()
+        self.unshard()
         try:
             return {key: value.clone() for key, value in super().state_dict(*args, **kwargs).items()}
         finally:
-            self._coordinator.release_all()
+            self.reshard()
 
     @property
     def bytes_sent_last_step(self) -> int:

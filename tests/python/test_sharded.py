@@ -292,6 +292,13 @@ def stage_3(rank, world):
             for name, expected in reference.named_parameters():
                 torch.testing.assert_close(full[f"module.{name}"], expected.detach(), rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{context} {name}: {m}")
+            # unshard() gathers every unit to read the parameters in place (FSDP2's name), reshard() frees them.
+            model.unshard()
+            for name, expected in reference.named_parameters():
+                torch.testing.assert_close(model.module.get_parameter(name).detach(), expected.detach(), rtol=1e-5,
+                                           atol=1e-6, msg=lambda m: f"{context} unshard() {name}: {m}")
+            model.reshard()
+            assert all(p.untyped_storage().nbytes() == 0 for p in unit_parameters), context
     with pytest.raises(ValueError, match="no submodule 'hiden'"):
         torchpar.ShardedDataParallel(build(), stage=3, units=["hiden"])
     return True
