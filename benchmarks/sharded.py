@@ -1,4 +1,4 @@
-"""Sharded data parallelism (ZeRO stages 1 and 2): torchpar's ShardedDataParallel beside torch's ZeRO and FSDP2.
+"""Sharded data parallelism (ZeRO stages 1, 2 and 3): torchpar's ShardedDataParallel beside torch's ZeRO and FSDP2.
 
     python benchmarks/sharded.py [--worlds 2 4] [--backends gloo shm] [--quick] [--out benchmarks/results]
 
@@ -16,6 +16,10 @@ batch 4 x seq 32 per rank, each rank its own data), trained with Adam:
     torch FSDP2       torch's fully_shard on every block and the root, reshard_after_forward=False (ZeRO-2-like:
                       parameters gathered once per step, gradients reduce-scattered), on a DeviceMesh of the same
                       group; Adam over its sharded parameters
+    torchpar stage 3  torchpar.ShardedDataParallel(stage=3, units=the blocks) + ShardedOptimizer(Adam): each block
+                      (and the root's head) all-gathered before its forward, freed after it, gathered again for
+                      its backward (reshard_after_forward=True)
+    torch FSDP2 reshard  fully_shard on the same units with reshard_after_forward=True: ZeRO-3, stage 3's anchor
 
 Each step is zero_grad, forward, cross-entropy, backward, optimizer step. The variants on one backend are timed
 alternately in the same processes, in several rounds (the order rotates each round, the same number of steps
@@ -25,17 +29,19 @@ variant that fails to build or to step on a backend is reported as not run, with
 
 After timing, one more step measures what each rank holds: the optimizer state (the bytes of the tensors in the
 optimizer's state on that rank: ZeroRedundancyOptimizer's local optimizer, ShardedOptimizer's inner one on the
-shard, FSDP2's local shards) and the gradients alive after backward (every parameter's .grad, and the shard's for
-ShardedOptimizer; FSDP2's local shards), the largest over the ranks, beside the ZeRO paper's prediction for Ψ
-parameters on N ranks in fp32 (DDP: state 2Ψ, gradients Ψ; stage 1: 2Ψ/N and Ψ; stage 2: 2Ψ/N and Ψ/N; × 4
+shard, FSDP2's local shards), the gradients alive after backward (every parameter's .grad, and the shard's for
+ShardedOptimizer; FSDP2's local shards) and the parameters after the step (every distinct storage the parameters
+view, empty for a stage-3 unit between steps, plus ShardedDataParallel's flat shard; FSDP2's local shards), the
+largest over the ranks, beside the ZeRO paper's prediction for Ψ parameters on N ranks in fp32 (DDP: state 2Ψ,
+gradients Ψ, parameters Ψ; stage 1: 2Ψ/N, Ψ, Ψ; stage 2: 2Ψ/N, Ψ/N, Ψ; stage 3 and FSDP2: 2Ψ/N, Ψ/N, Ψ/N; × 4
 bytes, padding aside); and each rank process's peak resident set over the whole run (ru_maxrss), as a reference.
-Then every variant's parameters are checked to be identical on all ranks, and stage 1's and 2's
-bytes_sent_last_step against 2 (N-1)/N × the padded parameter bytes (a reduce-scatter and an all-gather; DDP's
-ring all-reduce sends 2 (N-1)/N Ψ × 4).
+Then every variant's parameters are checked to be identical on all ranks, and each stage's bytes_sent_last_step
+against DDP's ring all-reduce, 2 (N-1)/N Ψ × 4: stages 1 and 2 exactly the ring's reduce-scatter and all-gather
+of the padded parameters, stage 3 1.5x within 5%.
 
-Writes <out>/sharded.json and sharded.png and prints the table, the bytes check and the targets (stage 1 and
-stage 2 ≥ 0.95 × torchpar's DDP, and ≥ torch's ZeRO+DDP) with which hold. The default run takes a few minutes on
-a 2-core machine; --quick is a sanity run of about a minute (2 and 4 ranks).
+Writes <out>/sharded.json and sharded.png and prints the table, the bytes check and the targets (stages 1 and 2 ≥
+0.95 × torchpar's DDP and ≥ torch's ZeRO+DDP; stage 3 ≥ 1.2 × FSDP2 resharding after forward at no more memory)
+with which hold. The default run takes a few minutes on a 2-core machine; --quick is a sanity run of about a minute (2 and 4 ranks).
 """
 from __future__ import annotations
 
@@ -60,7 +66,9 @@ logger = logging.getLogger("torchpar.bench")
 BACKENDS = ("gloo", "shm")
 ANCHOR, DDP, STAGE1, STAGE2, FSDP2 = "torch ZeRO+DDP", "torchpar DDP", "torchpar stage 1", "torchpar stage 2", \
     "torch FSDP2"
-VARIANTS = (ANCHOR, DDP, STAGE1, STAGE2, FSDP2)
+STAGE3, FSDP2_RESHARD = "torchpar stage 3", "torch FSDP2 reshard"
+VARIANTS = (ANCHOR, DDP, STAGE1, STAGE2, FSDP2, STAGE3, FSDP2_RESHARD)
+STAGES = {STAGE1: 1, STAGE2: 2, STAGE3: 3}
 WARMUP_STEPS = 3  # Adam's state is created and DDP rebuilds its buckets in the first steps; none of that is timed
 LR = 1e-3
 D_MODEL, HEADS, FF, BLOCKS, CLASSES = 256, 4, 1024, 3, 10
@@ -83,12 +91,14 @@ class Transformer(nn.Module):
         return self.head(x.mean(dim=1))
 
 
-def predicted_bytes(variant: str, parameters: int, world: int) -> tuple[float, float]:
-    """(optimizer state, gradients) per rank by the ZeRO paper's count, Adam in fp32, padding aside: torch's
-    ZeroRedundancyOptimizer under DDP is stage 1, FSDP2 without resharding after forward stage 2."""
-    whole, shard = 2 * parameters * FP32, 2 * parameters * FP32 / world
-    return {ANCHOR: (shard, parameters * FP32), DDP: (whole, parameters * FP32), STAGE1: (shard, parameters * FP32),
-            STAGE2: (shard, parameters * FP32 / world), FSDP2: (shard, parameters * FP32 / world)}[variant]
+def predicted_bytes(variant: str, parameters: int, world: int) -> tuple[float, float, float]:
+    """(optimizer state, gradients, parameters between steps) per rank by the ZeRO paper's count, Adam in fp32,
+    padding aside: torch's ZeroRedundancyOptimizer under DDP is stage 1, FSDP2 without resharding after forward
+    stage 2 (its parameters sharded between steps all the same), with resharding stage 3."""
+    whole, part = parameters * FP32, parameters * FP32 / world
+    return {ANCHOR: (2 * part, whole, whole), DDP: (2 * whole, whole, whole), STAGE1: (2 * part, whole, whole),
+            STAGE2: (2 * part, part, whole), FSDP2: (2 * part, part, part), STAGE3: (2 * part, part, part),
+            FSDP2_RESHARD: (2 * part, part, part)}[variant]
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -123,13 +133,30 @@ class Variant:
         distinct = {id(t): t for t in tensors if t.grad is not None}
         return sum(local_bytes(t.grad) for t in distinct.values())
 
+    def parameter_bytes(self) -> int:
+        """The parameters' memory this rank holds: every distinct storage the parameters view (a stage-3 unit's
+        is empty between steps; a DTensor counts its local shard), plus ShardedDataParallel's flat shard."""
+        storages = {}
+        for parameter in self.model.parameters():
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+            storage = local.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        shard = sum(local_bytes(s) for s in self.model.shard_parameters()) if self.sharded else 0
+        return sum(size for pointer, size in storages.items() if pointer) + shard
+
     def state_bytes(self) -> int:
         return sum(local_bytes(value) for per_parameter in self.state.values() for value in per_parameter.values()
                    if isinstance(value, torch.Tensor))
 
     def full_parameters(self) -> torch.Tensor:
-        return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+        """Every parameter whole, flat (collective: a DTensor's and a stage-3 unit's are gathered)."""
+        if self.sharded:
+            self.model.unshard()
+        flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
                           for p in self.model.parameters()])
+        if self.sharded:
+            self.model.reshard()
+        return flat
 
 
 def build(name: str, backend: str, group, initial: nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -147,17 +174,19 @@ def build(name: str, backend: str, group, initial: nn.Module, x: torch.Tensor, y
         model = torchpar.DistributedDataParallel(module, process_group=group, bucket_cap_mb=bucket_cap_mb)
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         return Variant(name, backend, model, optimizer, x, y, optimizer.state)
-    if name in (STAGE1, STAGE2):
-        model = torchpar.ShardedDataParallel(module, stage=1 if name == STAGE1 else 2, process_group=group,
-                                             bucket_cap_mb=bucket_cap_mb)
+    if name in STAGES:
+        units = [f"blocks.{i}" for i in range(BLOCKS)] if name == STAGE3 else None
+        model = torchpar.ShardedDataParallel(module, stage=STAGES[name], process_group=group,
+                                             bucket_cap_mb=bucket_cap_mb, units=units)
         optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=LR)
         return Variant(name, backend, model, optimizer, x, y, optimizer.optimizer.state, sharded=True)
     from torch.distributed.fsdp import fully_shard
 
     mesh = dist.device_mesh.DeviceMesh.from_group(group, "cpu")
+    reshard = name == FSDP2_RESHARD
     for block in module.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
     optimizer = torch.optim.Adam(module.parameters(), lr=LR)
     return Variant(name, backend, module, optimizer, x, y, optimizer.state)
 
@@ -261,14 +290,18 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
                     progress.update()
     if progress:
         progress.close()
-    # What each rank holds: gradients alive after backward, then the optimizer state after the step.
-    memory = {}
+    # What each rank holds: gradients alive after backward, then the optimizer state and the parameters after
+    # the step.
+    memory, sent = {}, {}
     for unit in units:
         for variant in unit:
             variant.forward_backward()
             gradients = variant.gradient_bytes()
             variant.optimizer.step()
-            memory[(variant.backend, variant.name)] = per_rank(control, world, [variant.state_bytes(), gradients])
+            if variant.sharded:  # read now: gathering the parameters whole below would add to it
+                sent[(variant.backend, variant.name)] = variant.model.bytes_sent_last_step
+            memory[(variant.backend, variant.name)] = per_rank(
+                control, world, [variant.state_bytes(), gradients, variant.parameter_bytes()])
     for unit in units:
         for variant in unit:
             check_in_sync(variant, control, world)
@@ -278,9 +311,10 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
         unit = next((u for u in units if u[0].backend == backend), [])
         by_name = {v.name: v for v in unit}
         for name in VARIANTS:
-            predicted_state, predicted_gradients = predicted_bytes(name, parameters, world)
+            predicted_state, predicted_gradients, predicted_parameters = predicted_bytes(name, parameters, world)
             row = dict(world=world, backend=backend, variant=name, parameters=parameters, description=DESCRIPTION,
                        predicted_state_bytes=predicted_state, predicted_gradient_bytes=predicted_gradients,
+                       predicted_parameter_bytes=predicted_parameters,
                        peak_rss_bytes=max(peak_rss), peak_rss_bytes_per_rank=peak_rss)
             if name not in by_name:
                 rows.append(dict(row, not_run=not_run.get((backend, name), "not built")))
@@ -290,14 +324,16 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
             row.update(steps_per_s=statistics.median(variant.rates), rounds=variant.rates,
                        steps_per_round=variant.steps,
                        state_bytes=max(h[0] for h in held), gradient_bytes=max(h[1] for h in held),
+                       parameter_bytes=max(h[2] for h in held),
                        state_bytes_per_rank=[h[0] for h in held], gradient_bytes_per_rank=[h[1] for h in held])
-            for key, reference in (("ratio_to_anchor", ANCHOR), ("ratio_to_ddp", DDP)):
+            for key, reference in (("ratio_to_anchor", ANCHOR), ("ratio_to_ddp", DDP), ("ratio_to_fsdp2", FSDP2),
+                                   ("ratio_to_fsdp2_reshard", FSDP2_RESHARD)):
                 if reference in by_name:
                     row[key] = statistics.median(
                         [ours / theirs for ours, theirs in zip(variant.rates, by_name[reference].rates)])
             if variant.sharded:
                 shard_bytes = sum(s.numel() * s.element_size() for s in variant.model.shard_parameters())
-                row.update(bytes_sent_last_step=variant.model.bytes_sent_last_step,
+                row.update(bytes_sent_last_step=sent[(backend, name)],
                            padded_parameter_bytes=shard_bytes * world)
             rows.append(row)
     if rank == 0:
@@ -313,37 +349,51 @@ def ratio(row: dict, key: str) -> str:
     return f"{row[key]:.2f}" if key in row else "—"
 
 
+def fsdp2_alike(variant: str) -> tuple[str, str]:
+    """The FSDP2 variant that gathers and frees as `variant` does, and its ratio's key: stage 3 reshards after
+    forward, FSDP2 without resharding keeps the parameters gathered from forward to backward as stages 1 and 2."""
+    return (FSDP2_RESHARD, "ratio_to_fsdp2_reshard") if variant == STAGE3 else (FSDP2, "ratio_to_fsdp2")
+
+
 def table(rows: list[dict]) -> str:
     # Only the ratio columns' headers hold a "/": python -m torchpar.bench compares those between reports.
-    lines = ["| ranks | backend | variant | steps per s | /torch ZeRO+DDP | /torchpar DDP "
-             "| optimizer state MiB (predicted) | gradients MiB (predicted) |",
-             "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| ranks | backend | variant | steps per s | /torch ZeRO+DDP | /torchpar DDP | /torch FSDP2 alike "
+             "| optimizer state MiB (predicted) | gradients MiB (predicted) | parameters MiB (predicted) |",
+             "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         head = f"| {r['world']} | {r['backend']} | {r['variant']} "
         if "not_run" in r:
-            lines.append(head + f"| not run: {r['not_run'].replace('|', '/')} | — | — | — | — |")
+            lines.append(head + f"| not run: {r['not_run'].replace('|', '/')} | — | — | — | — | — | — |")
             continue
+        alike = ratio(r, fsdp2_alike(r["variant"])[1]) if r["variant"] in STAGES else "—"
         lines.append(head + f"| {r['steps_per_s']:.2f} | {ratio(r, 'ratio_to_anchor')} | {ratio(r, 'ratio_to_ddp')} "
-                     f"| {mib(r['state_bytes'])} ({mib(r['predicted_state_bytes'])}) "
-                     f"| {mib(r['gradient_bytes'])} ({mib(r['predicted_gradient_bytes'])}) |")
+                     f"| {alike} | {mib(r['state_bytes'])} ({mib(r['predicted_state_bytes'])}) "
+                     f"| {mib(r['gradient_bytes'])} ({mib(r['predicted_gradient_bytes'])}) "
+                     f"| {mib(r['parameter_bytes'])} ({mib(r['predicted_parameter_bytes'])}) |")
     return "\n".join(lines)
 
 
 def sent_bytes_table(rows: list[dict]) -> str:
-    """Stage 1's and 2's bytes sent per step against the ring's count of a reduce-scatter and an all-gather of the
-    padded parameters, 2 (N-1)/N x padded bytes, beside DDP's ring all-reduce of the unpadded ones, 2 (N-1)/N x Ψ x 4;
-    then each world's peak resident set per rank process (all variants, the whole run)."""
-    lines = ["| ranks | backend | variant | bytes sent per step | ring reduce-scatter + all-gather of the padded "
-             "parameters | equal | DDP's ring all-reduce of the parameters |",
-             "| ---: | --- | --- | ---: | ---: | --- | ---: |"]
+    """Each stage's bytes sent per step against DDP's ring all-reduce of the parameters, 2 (N-1)/N x Ψ x 4: stages 1
+    and 2 send exactly the ring's reduce-scatter and all-gather of the padded parameters, 2 (N-1)/N x padded bytes
+    (DDP's count, padding aside); stage 3 gathers each unit twice (forward, backward) and reduce-scatters it, 1.5x
+    DDP's, less the root's second gather (it stays gathered from forward to backward): within 5% of 1.5x. Then
+    each world's peak resident set per rank process (all variants, the whole run)."""
+    lines = ["| ranks | backend | variant | bytes sent per step | DDP's ring all-reduce of the parameters "
+             "| ratio | expected | holds |",
+             "| ---: | --- | --- | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         if "bytes_sent_last_step" not in r:
             continue
-        n = r["world"]
-        expected = 2 * (n - 1) * r["padded_parameter_bytes"] // n
+        n, sent = r["world"], r["bytes_sent_last_step"]
         ring = 2 * (n - 1) / n * r["parameters"] * FP32
-        lines.append(f"| {n} | {r['backend']} | {r['variant']} | {r['bytes_sent_last_step']:,} | {expected:,} "
-                     f"| {'yes' if r['bytes_sent_last_step'] == expected else 'no'} | {ring:,.0f} |")
+        if r["variant"] == STAGE3:
+            expected, holds = "1.5 within 5%", abs(sent / ring - 1.5) <= 0.05 * 1.5
+        else:
+            exact = 2 * (n - 1) * r["padded_parameter_bytes"] // n
+            expected, holds = f"{exact:,} bytes (padded)", sent == exact
+        lines.append(f"| {n} | {r['backend']} | {r['variant']} | {sent:,} | {ring:,.0f} | {sent / ring:.3f} "
+                     f"| {expected} | {'yes' if holds else 'no'} |")
     lines += ["", "| ranks | peak resident set per rank process, MiB: largest | smallest |", "| ---: | ---: | ---: |"]
     for world in dict.fromkeys(r["world"] for r in rows):
         rss = next(r["peak_rss_bytes_per_rank"] for r in rows if r["world"] == world)
@@ -351,20 +401,36 @@ def sent_bytes_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def held_bytes(row: dict) -> float:
+    return row["state_bytes"] + row["gradient_bytes"] + row["parameter_bytes"]
+
+
 def sharded_targets(rows: list[dict]) -> list[targets.Target]:
-    """For every world and backend: stage 1 and 2 within 5% of torchpar's DDP and at least torch's ZeRO+DDP (the
-    medians of the per-round ratios); a stage not run fails its targets."""
+    """For every world and backend: stage 1 and 2 within 5% of torchpar's DDP and at least torch's ZeRO+DDP; stage
+    3 at least 1.2x FSDP2 resharding after forward (the medians of the per-round ratios) at no more memory (its
+    optimizer state, gradients and parameters held, within 1% for the two layouts' padding). A stage not run, or
+    whose anchor did not, fails its targets."""
     checks = []
+    by_key = {(r["world"], r["backend"], r["variant"]): r for r in rows}
     for r in rows:
-        if r["variant"] not in (STAGE1, STAGE2):
+        if r["variant"] not in STAGES:
             continue
         where = f"{r['variant']}, {r['world']} ranks {r['backend']}"
-        for key, reference, bound in (("ratio_to_ddp", DDP, 0.95), ("ratio_to_anchor", ANCHOR, 1.0)):
+        bounds = ((("ratio_to_fsdp2_reshard", FSDP2_RESHARD, 1.2),) if r["variant"] == STAGE3 else
+                  (("ratio_to_ddp", DDP, 0.95), ("ratio_to_anchor", ANCHOR, 1.0)))
+        for key, reference, bound in bounds:
             name = f"{where}: /{reference}"
             if key in r:
                 checks.append(targets.at_least(name, r[key], bound))
             else:
                 checks.append(targets.Target(f"{name} >= {bound:g}", "not run", False))
+        if r["variant"] == STAGE3:
+            name = f"{where}: memory held / {FSDP2_RESHARD}'s"
+            anchor = by_key.get((r["world"], r["backend"], FSDP2_RESHARD), {})
+            if "state_bytes" in r and "state_bytes" in anchor:
+                checks.append(targets.at_most(name, held_bytes(r) / held_bytes(anchor), 1.01))
+            else:
+                checks.append(targets.Target(f"{name} <= 1.01", "not run", False))
     return checks
 
 
@@ -374,7 +440,8 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    colors = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                                 "tab:pink")))
     cases = list(dict.fromkeys((r["world"], r["backend"]) for r in rows))
     worlds = list(dict.fromkeys(r["world"] for r in rows))
     figure, (speed, memory) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[3, 2]))
@@ -395,15 +462,18 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                     for w in worlds]
         state = [r["state_bytes"] / 2**20 if r else 0 for r in measured]
         gradients = [r["gradient_bytes"] / 2**20 if r else 0 for r in measured]
+        held = [r["parameter_bytes"] / 2**20 if r else 0 for r in measured]
         memory.bar(positions, state, width, color=colors[name])
         memory.bar(positions, gradients, width, bottom=state, color=colors[name], alpha=0.45, hatch="//")
+        memory.bar(positions, held, width, bottom=[a + b for a, b in zip(state, gradients)], color=colors[name],
+                   alpha=0.25, hatch="..")
         predicted = [sum(predicted_bytes(name, rows[0]["parameters"], w)) / 2**20 for w in worlds]
         memory.scatter(positions, predicted, marker="_", s=150, color="black", zorder=3,
                        label="ZeRO prediction" if offset == 0 else None)
     memory.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds])
     memory.set_xlim(-0.5, len(worlds) - 0.5)
     memory.legend(fontsize=8)
-    memory.set(title="per rank: optimizer state (solid) + gradients after backward (hatched), MiB\n"
+    memory.set(title="per rank: optimizer state (solid) + gradients after backward (//) + parameters (..), MiB\n"
                      "bars in the left panel's order; black: the ZeRO formula", ylabel="MiB")
     memory.title.set_fontsize(9)
     figure.tight_layout()

@@ -51,7 +51,7 @@ def commands(name: str, quick: bool, out: pathlib.Path) -> list[str]:
 SECTIONS = {
     "collectives": ("Collectives: shm vs Gloo", ["collectives.png"]),
     "ddp": ("DDP: torchpar vs torch's DistributedDataParallel", ["ddp.png"]),
-    "sharded": ("Sharded data parallelism (ZeRO 1-2): torchpar vs torch's ZeRO and FSDP2", ["sharded.png"]),
+    "sharded": ("Sharded data parallelism (ZeRO 1-3): torchpar vs torch's ZeRO and FSDP2", ["sharded.png"]),
     "pipeline": ("Pipeline: torchpar vs torch.distributed.pipelining", ["pipeline.png"]),
     "ps": ("Parameter server: torchpar vs the torch.distributed.rpc pattern", ["ps.png"]),
     "tp": ("Tensor parallelism: torchpar vs torch.distributed.tensor.parallel", ["tensor_parallel.png"]),
