@@ -1,5 +1,5 @@
 // Trains an MLP too big for DDP under a memory cap on the 8x8 digits with torchpar's sharded data parallelism
-// (ZeRO stage 1 or 2) and Adam, then tests it; examples/python/train_sharded.py is the same program.
+// (ZeRO stage 1, 2 or 3) and Adam, then tests it; examples/python/train_sharded.py is the same program.
 //
 //   ./scripts/setup.sh                  # also writes data/digits.pt
 //   torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 2 --memory-per-rank 48MiB
@@ -10,7 +10,9 @@
 // before anything is sharded: DDP 16Ψ bytes; stage 1 4Ψ + 4Ψ + 8Ψ/N (ZeRO's formula) + 8S; stage 2 4Ψ + 12Ψ/N
 // + 4S, where S (Ψ/N plus each bucket's padding to a multiple of N) is the rank's shard, which this engine keeps
 // as a flat fp32 copy the optimizer steps (4S) and, at stage 1, whose averaged gradient it keeps beside every
-// parameter's local one (4S). Rank 0 prints which fit --memory-per-rank; a stage that does not fit exits 2 with
+// parameter's local one (4S); stage 3 16Ψ/N, padded 16S with each Linear layer a unit and the parameters no more
+// than the shard between steps (during the forward and backward the LibTorch wrapper holds them all gathered:
+// a C++ module has no hooks to gather one layer at a time). Rank 0 prints which fit --memory-per-rank; a stage that does not fit exits 2 with
 // the message on stderr. Otherwise the program trains, counts the bytes of the tensors the rank holds after its
 // last step (parameters and their gradients, the shard and its gradient, Adam's state; a storage once) and
 // prints them beside the prediction, ending with one line:
@@ -91,8 +93,9 @@ Arguments parse(int argc, char** argv) {
       arguments.data = value;
     } else if (flag == "--stage") {
       arguments.stage = std::stoi(value);
-      if (arguments.stage != 1 && arguments.stage != 2) {
-        throw std::invalid_argument("--stage " + value + ": 1 (optimizer state) or 2 (and gradients)");
+      if (arguments.stage < 1 || arguments.stage > 3) {
+        throw std::invalid_argument("--stage " + value + ": 1 (optimizer state), 2 (and gradients) or 3 (and "
+                                    "parameters)");
       }
     } else if (flag == "--memory-per-rank") {
       arguments.memory_per_rank = parse_bytes(value);
@@ -128,6 +131,13 @@ int64_t shard_elements(const std::vector<int64_t>& numels, int world, int64_t bu
     }
   }
   return shard + (open + world - 1) / world;
+}
+
+// S at stage 3: each unit (here a Linear layer) is one bucket, padded to a multiple of the group.
+int64_t unit_shard_elements(const std::vector<int64_t>& unit_numels, int world) {
+  int64_t shard = 0;
+  for (int64_t numel : unit_numels) shard += (numel + world - 1) / world;
+  return shard;
 }
 
 struct Prediction {
@@ -181,11 +191,21 @@ int main(int argc, char** argv) {
   for (const auto& parameter : model->parameters()) numels.push_back(parameter.numel());
   const int64_t psi = std::accumulate(numels.begin(), numels.end(), int64_t{0});
   const int64_t shard = shard_elements(numels, world, static_cast<int64_t>(arguments.bucket_cap_mb * kMiB));
+  // Stage 3's units: the Sequential's Linear layers, by their names in it.
+  const std::vector<std::string> units = {"0", "2", "4"};
+  std::vector<int64_t> unit_numels;
+  for (const auto& unit : units) {
+    int64_t numel = 0;
+    for (const auto& parameter : model->named_children()[unit]->parameters()) numel += parameter.numel();
+    unit_numels.push_back(numel);
+  }
+  const int64_t unit_shard = unit_shard_elements(unit_numels, world);
   const std::vector<Prediction> predicted = {
       {"DDP", 16 * psi, "4Ψ params + 4Ψ grads + 8Ψ Adam"},
       {"stage 1", 8 * psi + 16 * shard,
        "4Ψ + 4Ψ + 8Ψ/N (ZeRO) + 8S (the shard's copy and averaged gradient), S = " + std::to_string(shard)},
       {"stage 2", 4 * psi + 16 * shard, "4Ψ + 12Ψ/N (ZeRO) + 4S (the shard's copy), S = " + std::to_string(shard)},
+      {"stage 3", 16 * unit_shard, "16Ψ/N (ZeRO), padded: 16S, S = " + std::to_string(unit_shard)},
   };
   const int64_t cap = arguments.memory_per_rank;
   if (rank == 0) {
@@ -207,7 +227,7 @@ int main(int argc, char** argv) {
       std::cerr << "train_sharded: " << chosen.name << " needs " << mib(chosen.bytes)
                 << " MiB of model state per rank on " << world << " ranks, over --memory-per-rank " << mib(cap)
                 << " MiB; "
-                << (fitting.empty() ? "none of DDP, stage 1, stage 2 fits" : fitting + " would fit")
+                << (fitting.empty() ? "no strategy fits" : fitting + " would fit")
                 << " (more ranks shrink the sharded parts)" << std::endl;
     }
     return 2;
@@ -222,9 +242,10 @@ int main(int argc, char** argv) {
   }
   const auto& [train_x, train_y, test_x, test_y] = digits;
   // The three lines that make it sharded: wrap the module, build the optimizer over this rank's shard, call the
-  // wrapper. Rank 0's weights are copied to every rank; every rank keeps the whole model.
-  sh::ShardedDataParallel sharded(
-      model, sh::ShardedOptions().process_group(group).stage(arguments.stage).bucket_cap_mb(arguments.bucket_cap_mb));
+  // wrapper. Rank 0's weights are copied to every rank; at stage 3 a rank keeps only its shard between steps.
+  auto options = sh::ShardedOptions().process_group(group).stage(arguments.stage).bucket_cap_mb(arguments.bucket_cap_mb);
+  if (arguments.stage == 3) options.units(units);
+  sh::ShardedDataParallel sharded(model, options);
   auto optimizer = sharded.optimizer<torch::optim::Adam>(torch::optim::AdamOptions(arguments.lr));
   // allow_duplicates: every rank gets ceil(N / world) samples, hence the same number of batches.
   torch::data::samplers::DistributedRandomSampler sampler(train_x.size(0), world, rank, /*allow_duplicates=*/true);
@@ -291,7 +312,8 @@ int main(int argc, char** argv) {
 
   torch::NoGradGuard no_grad;
   model->eval();
-  const double accuracy = model->forward(test_x).argmax(1).eq(test_y).to(at::kDouble).mean().item<double>();
+  // Through the wrapper: at stage 3 it gathers the parameters the rank does not hold.
+  const double accuracy = sharded(test_x).argmax(1).eq(test_y).to(at::kDouble).mean().item<double>();
   if (rank == 0) {
     std::cout << "train_sharded: " << world << " ranks, " << chosen.name << ", model state " << mib(measured)
               << " MiB per rank (predicted " << mib(chosen.bytes) << ", DDP would hold " << mib(predicted[0].bytes)

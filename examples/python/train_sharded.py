@@ -1,9 +1,10 @@
 """Trains an MLP too big for DDP under a memory cap on the 8x8 digits with torchpar's sharded data parallelism
-(ZeRO stage 1 or 2) and Adam, then tests it.
+(ZeRO stage 1, 2 or 3) and Adam, then tests it.
 
     python3 scripts/export_digits.py                  # once (scripts/setup.sh does it): data/digits.pt
     torchrun --nproc-per-node=4 examples/python/train_sharded.py --stage 2 --memory-per-rank 48MiB
     torchrun --nproc-per-node=4 examples/python/train_sharded.py --stage 1 --memory-per-rank 48MiB   # refused
+    torchrun --nproc-per-node=4 examples/python/train_sharded.py --stage 3 --memory-per-rank 24MiB
     torchrun --nproc-per-node=2 examples/python/train_sharded.py --hidden 512 --memory-per-rank 4MiB --backend shm
 
 The MLP (64-H-H-10, H = --hidden, 4,349,962 parameters Ψ at the default 2048) trains in fp32 with Adam. Its
@@ -15,9 +16,12 @@ anything is sharded, on N ranks:
                                                         copy the optimizer steps, and the shard's averaged gradient
                                                         beside every parameter's local one
     stage 2   4Ψ + 12Ψ/N       (ZeRO's formula)  + 4S  the shard's flat copy
+    stage 3   16Ψ/N            (ZeRO's formula)        the parameters are the shard: between steps a layer's
+                                                        parameters view no memory
 
-(S: the elements of a rank's shard, Ψ/N plus each gradient bucket's padding to a multiple of N; the engine's
-Adam state and gradient are 8S and 4S bytes, so the whole of stage 2 is 4Ψ + 16S, of stage 1 8Ψ + 16S.) Rank 0
+(S: the elements of a rank's shard, Ψ/N plus each bucket's padding to a multiple of N; at stage 3 a bucket is a
+unit, here each Linear layer; the engine's Adam state and gradient are 8S and 4S bytes, so the whole of stage 2 is
+4Ψ + 16S, of stage 1 8Ψ + 16S, of stage 3 16S.) Rank 0
 logs which strategies fit --memory-per-rank. When the chosen stage does not, every rank exits with status 2
 and the message on stderr; otherwise it trains, counts the bytes of the tensors the rank holds after its last
 step (the parameters and any gradients on them, the shard and its gradient, the optimizer's state; a tensor
@@ -28,7 +32,8 @@ shared counts once) and prints them next to the prediction, with one result line
 
 The prediction is the model state after a step. While backward runs, a bucket's gradients also live in a flat
 copy until its reduce-scatter ends (up to 3 buckets of --bucket-cap-mb at once), and at stage 2 a parameter's
-gradient lives until its bucket goes: a smaller --bucket-cap-mb lowers that transient peak. Exit code: 0; 1
+gradient lives until its bucket goes: a smaller --bucket-cap-mb lowers that transient peak. At stage 3 the layer
+running holds its gathered parameters and its gradients until they are reduce-scattered. Exit code: 0; 1
 when the accuracy is below 95% or the measured state exceeds the cap; 2 for a wrong launch, missing data or a
 stage that does not fit.
 """
@@ -67,8 +72,8 @@ def parse_bytes(text: str) -> int:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=pathlib.Path, default=DATA, help="written by scripts/export_digits.py")
-    parser.add_argument("--stage", type=int, choices=[1, 2], default=2,
-                        help="ZeRO stage: 1 shards Adam's state, 2 also the gradients")
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=2,
+                        help="ZeRO stage: 1 shards Adam's state, 2 also the gradients, 3 also the parameters")
     parser.add_argument("--memory-per-rank", type=parse_bytes, default=48 * MiB,
                         help="the cap on a rank's model state, e.g. 48MiB (default)")
     parser.add_argument("--hidden", type=int, default=2048, help="width of the MLP's two hidden layers")
@@ -103,7 +108,12 @@ def shard_elements(numels: list[int], world: int, bucket_cap_bytes: int, element
     return sum(math.ceil(b / world) for b in buckets)
 
 
-def predictions(parameters: int, shard: int) -> dict[str, tuple[int, str]]:
+def unit_shard_elements(unit_numels: list[int], world: int) -> int:
+    """S at stage 3: each unit (here a Linear layer) is one bucket, padded to a multiple of the group."""
+    return sum(math.ceil(numel / world) for numel in unit_numels)
+
+
+def predictions(parameters: int, shard: int, unit_shard: int) -> dict[str, tuple[int, str]]:
     """Each strategy's model state per rank in bytes (fp32, Adam), and how it adds up."""
     return {
         "DDP": (16 * parameters, "4Ψ params + 4Ψ grads + 8Ψ Adam"),
@@ -111,6 +121,7 @@ def predictions(parameters: int, shard: int) -> dict[str, tuple[int, str]]:
                     f"4Ψ + 4Ψ + 8Ψ/N (ZeRO) + 8S (the shard's copy and averaged gradient), S = {shard:,}"),
         "stage 2": (4 * parameters + 16 * shard,
                     f"4Ψ + 12Ψ/N (ZeRO) + 4S (the shard's copy), S = {shard:,}"),
+        "stage 3": (16 * unit_shard, f"16Ψ/N (ZeRO), padded: 16S, S = {unit_shard:,}"),
     }
 
 
@@ -142,7 +153,8 @@ def held_bytes(module: nn.Module, model: torchpar.ShardedDataParallel, optimizer
 
 @torch.no_grad()
 def test_accuracy(net: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> tuple[int, int]:
-    """(correct, total) over the whole test set: each rank scores every world-th sample, counts are summed."""
+    """(correct, total) over the whole test set: each rank scores every world-th sample, counts are summed. `net`
+    is the wrapped model: at stage 3 its forward gathers each layer."""
     net.eval()
     mine_x, mine_y = x[rank::world], y[rank::world]
     counts = torch.tensor([(net(mine_x).argmax(dim=1) == mine_y).sum().item(), len(mine_y)], dtype=torch.int64)
@@ -174,7 +186,8 @@ def main() -> int:
     numels = [p.numel() for p in net.parameters()]
     parameters = sum(numels)
     shard = shard_elements(numels, world, int(args.bucket_cap_mb * MiB))
-    predicted = predictions(parameters, shard)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in net if isinstance(layer, nn.Linear)]
+    predicted = predictions(parameters, shard, unit_shard_elements(layers, world))
     cap = args.memory_per_rank
     logger.info("MLP 64-%d-%d-10: Ψ = %s fp32 parameters, Adam, %d ranks; model state per rank, predicted, "
                 "against the cap of %.1f MiB:", args.hidden, args.hidden, f"{parameters:,}", world, cap / MiB)
@@ -185,7 +198,7 @@ def main() -> int:
     needed = predicted[chosen][0]
     if needed > cap:
         fitting = [name for name, (nbytes, _) in predicted.items() if nbytes <= cap]
-        alternatives = f"{' and '.join(fitting)} would fit" if fitting else "none of DDP, stage 1, stage 2 fits"
+        alternatives = f"{' and '.join(fitting)} would fit" if fitting else "no strategy fits"
         return refuse(rank, f"{chosen} needs {needed / MiB:.1f} MiB of model state per rank on {world} ranks, over "
                             f"--memory-per-rank {cap / MiB:.1f} MiB; {alternatives} (more ranks shrink the sharded "
                             "parts)")
@@ -194,7 +207,8 @@ def main() -> int:
     train = TensorDataset(data["train_x"], data["train_y"])
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
-    # Every rank keeps the whole model; rank 0's weights are copied to every rank.
+    # Rank 0's weights are copied to every rank; at stage 3 each Linear layer (the Sequential's children that hold
+    # parameters) is a unit, gathered for its forward and backward only.
     model = torchpar.ShardedDataParallel(net, stage=args.stage, bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=args.lr)  # steps this rank's shard only
     loss_fn = nn.CrossEntropyLoss()
@@ -221,7 +235,7 @@ def main() -> int:
     logger.info("held after the last step: %s = %.1f MiB (predicted %.1f MiB; measured - predicted = %d bytes)",
                 ", ".join(f"{kind} {nbytes / MiB:.2f} MiB" for kind, nbytes in held.items()), measured / MiB,
                 needed / MiB, measured - needed)
-    correct, total = test_accuracy(net, data["test_x"], data["test_y"], rank, world)
+    correct, total = test_accuracy(model, data["test_x"], data["test_y"], rank, world)
     accuracy = correct / total
     largest = torch.tensor([measured], dtype=torch.int64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the rank holding the most

@@ -1,8 +1,8 @@
 """The training examples, launched as users launch them: DDP, pipeline and parameter-server ones reach 95% held-out
 accuracy on the digits, the click-through one learns and its servers hold only the embedding rows it used, the
-GPT trains with the same loss curve on a 2 x 2 x 2 grid as on one process, and the sharded one (ZeRO stage 2) trains
-under a memory cap DDP's prediction exceeds, holding what it predicted, and refuses a stage that does not fit; in
-Python and in C++."""
+GPT trains with the same loss curve on a 2 x 2 x 2 grid as on one process, and the sharded one trains under a
+memory cap DDP's prediction exceeds (ZeRO stage 2; stage 3 under one stage 2's exceeds), holding what it
+predicted, and refuses a stage that does not fit; in Python and in C++."""
 import json
 import pathlib
 import re
@@ -238,8 +238,8 @@ def test_train_gpt_refuses_a_grid_that_does_not_fit(build_dir, language):
 SHARDED_RESULT = re.compile(r"train_sharded: (\d+) ranks, stage (\d), model state ([\d.]+) MiB per rank \(predicted "
                             r"([\d.]+), DDP would hold ([\d.]+), cap ([\d.]+)\), .*test accuracy (\d+\.\d)%")
 # A 64-512-512-10 MLP (301,066 parameters) on 2 ranks: DDP + Adam would hold 4.6 MiB per rank, stage 1 as much
-# (its shard's copy and averaged gradient beside the local gradients), stage 2 3.4 MiB.
-SHARDED_SMALL = ["--hidden", "512", "--memory-per-rank", "4MiB"]
+# (its shard's copy and averaged gradient beside the local gradients), stage 2 3.4 MiB, stage 3 2.3 MiB.
+SHARDED_SMALL = ["--hidden", "512"]
 
 
 def sharded_program(language: str, build_dir: pathlib.Path) -> list:
@@ -248,31 +248,35 @@ def sharded_program(language: str, build_dir: pathlib.Path) -> list:
 
 
 @pytest.mark.parametrize("language", ["python", "cpp"])
-def test_train_sharded_stage_2_trains_under_a_cap_ddp_exceeds(build_dir, digits, free_port, language):
+@pytest.mark.parametrize("stage, cap, fits", [
+    (2, 4.0, r"DDP +4\.6 MiB  exceeds .*\n.*stage 1 +4\.6 MiB  exceeds .*\n.*stage 2 +3\.4 MiB  fits"),
+    (3, 3.0, r"stage 2 +3\.4 MiB  exceeds .*\n.*stage 3 +2\.3 MiB  fits"),
+])
+def test_train_sharded_trains_under_a_cap_ddp_exceeds(build_dir, digits, free_port, language, stage, cap, fits):
     """The rank's model state counted after its last step is the prediction (within 10%), under the cap that DDP's
-    prediction exceeds, and the model reaches 95%."""
+    prediction exceeds (and at stage 3 stage 2's), and the model reaches 95%."""
     result = torchrun("--nproc-per-node=2", f"--master-port={free_port}", *sharded_program(language, build_dir),
-                      "--data", digits, "--stage", "2", *SHARDED_SMALL, "--epochs", "6")
+                      "--data", digits, "--stage", str(stage), *SHARDED_SMALL, "--memory-per-rank", f"{cap:g}MiB",
+                      "--epochs", "6")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     lines = SHARDED_RESULT.findall(result.stdout)
     assert len(lines) == 1, output  # rank 0 only
-    ranks, stage = int(lines[0][0]), int(lines[0][1])
-    measured, predicted, ddp, cap, accuracy = map(float, lines[0][2:])
-    assert (ranks, stage, cap) == (2, 2, 4.0), lines[0]
+    ranks = int(lines[0][0])
+    measured, predicted, ddp, _, accuracy = map(float, lines[0][2:])
+    assert (ranks, int(lines[0][1]), float(lines[0][5])) == (2, stage, cap), lines[0]
     assert ddp > cap >= measured, lines[0]
     assert abs(measured - predicted) <= 0.1 * predicted, lines[0]
     assert accuracy >= 95.0, lines[0]
-    fits = r"DDP +4\.6 MiB  exceeds .*\n.*stage 1 +4\.6 MiB  exceeds .*\n.*stage 2 +3\.4 MiB  fits"
     assert re.search(fits, output), output
 
 
 @pytest.mark.parametrize("language", ["python", "cpp"])
 def test_train_sharded_refuses_a_stage_that_does_not_fit(build_dir, digits, free_port, language):
     result = torchrun("--nproc-per-node=2", f"--master-port={free_port}", *sharded_program(language, build_dir),
-                      "--data", digits, "--stage", "1", *SHARDED_SMALL)
+                      "--data", digits, "--stage", "1", *SHARDED_SMALL, "--memory-per-rank", "4MiB")
     output = result.stdout + result.stderr
     assert re.search(r"exitcode\s*:\s*2\b", result.stderr), output  # torchrun's report of the ranks' status
     assert ("stage 1 needs 4.6 MiB of model state per rank on 2 ranks, over --memory-per-rank 4.0 MiB; "
-            "stage 2 would fit") in result.stderr, output
+            "stage 2 and stage 3 would fit") in result.stderr, output
     assert "train_sharded: 2 ranks" not in output and not re.search(r"epoch +1/", output), output  # nothing trained
