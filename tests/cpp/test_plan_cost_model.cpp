@@ -22,10 +22,12 @@ plan::ModelProfile equal_layers(int layers, int64_t parameter_bytes) {
   return model;
 }
 
+// A reduce-scatter and an all-gather each send half of an all-reduce's bytes (a ring's two halves).
 plan::NetworkProfile network(double alpha_ms, double ms_per_mib) {
   plan::NetworkProfile network;
   network.all_reduce = {alpha_ms, ms_per_mib / kMiB};
   network.send_recv = {alpha_ms, ms_per_mib / kMiB};
+  network.all_gather = network.reduce_scatter = {alpha_ms, ms_per_mib / 2 / kMiB};
   return network;
 }
 
@@ -76,6 +78,54 @@ TEST_CASE("plan: DDP on 2 ranks with a known bucket layout and link cost") {
   // Parameters, gradients, bucket copies, momentum (4 x 4 MiB); activations of 4 samples (2 x 400).
   CHECK(p.memory_per_rank == 16 * kMiB + 800);
   CHECK(p.bytes_per_step == 4 * kMiB);  // ring all-reduce: 2 (n - 1) / n of the parameters
+}
+
+TEST_CASE("plan: sharded data parallelism's stages on 2 ranks with known link costs") {
+  // 2 layers of 2 MiB, 4 samples per rank: forward 1 + 1 ms; backward: layer 1 done at 1 ms, layer 0 at 2 ms.
+  // Reduce-scatter and all-gather 0.5 ms + 1 ms per MiB (of the whole tensor); copies free; SGD with momentum.
+  plan::NetworkProfile net;
+  net.reduce_scatter = net.all_gather = {0.5, 1.0 / kMiB};
+  plan::Configuration sharded;
+  sharded.strategy = plan::Strategy::Sharded;
+  sharded.world = 2;
+  const auto model = equal_layers(2, 2 * kMiB);
+  // Stages 1-2: one 25 MiB bucket, reduce-scattered once backward ends (2 - 6.5 ms), then the updated shards
+  // all-gathered (4.5 ms, exposed): 2 + 6.5 + 4.5.
+  sharded.zero_stage = 2;
+  const auto stage2 = plan::predict(model, net, batch_of(8), sharded);
+  CHECK(stage2.configuration.describe() == "sharded zero-2, 2 replicas");
+  CHECK(stage2.step_ms == Approx(13));
+  CHECK(stage2.exposed_comm_ms == Approx(4.5 + 4.5));
+  // The shard (2 MiB), its gradient and momentum (2 MiB each), and the whole parameters (4 MiB); activations.
+  CHECK(stage2.memory_per_rank == 10 * kMiB + 800);
+  CHECK(stage2.bytes_per_step == 4 * kMiB);  // DDP's: a ring reduce-scatter and all-gather
+  sharded.zero_stage = 1;
+  const auto stage1 = plan::predict(model, net, batch_of(8), sharded);
+  CHECK(stage1.step_ms == Approx(13));
+  CHECK(stage1.memory_per_rank == 14 * kMiB + 800);  // and every parameter's local gradient
+  // Stage 3: each layer a unit, reduce-scattered as its backward ends (1 - 3.5, 3.5 - 6 ms), each gathered before
+  // its forward and its backward (4 x 2.5 ms, exposed): 2 + 6 + 10.
+  sharded.zero_stage = 3;
+  const auto stage3 = plan::predict(model, net, batch_of(8), sharded);
+  CHECK(stage3.step_ms == Approx(18));
+  // The shard, its gradient and momentum (6 MiB), the layer at work gathered with its gradient (2 x 2 MiB).
+  CHECK(stage3.memory_per_rank == 10 * kMiB + 800);
+  CHECK(stage3.bytes_per_step == 6 * kMiB);  // 1.5x DDP's
+  // Beside a same-host Gloo group, through the shm group DDP's buckets use: half its all-reduce each (0.5 ms +
+  // 0.5 ms per MiB here, against 1 ms per MiB through the group): 2 + 4 + 4 x 1.5.
+  net.ddp_all_reduce = plan::LinkCost{0.5, 1.0 / kMiB};
+  CHECK(plan::predict(model, net, batch_of(8), sharded).step_ms == Approx(12));
+  net.ddp_all_reduce.reset();
+  sharded.zero_stage = 4;
+  CHECK_THROWS_WITH(plan::predict(model, net, batch_of(8), sharded), Contains("ZeRO stage 4 (1, 2 or 3)"));
+  // The planner offers the three stages beside DDP, and its code for them.
+  plan::Planner planner(model, net, batch_of(8));
+  std::string offered;
+  for (const auto& c : planner.candidates(plan::PlanOptions().world(2))) offered += c.describe() + "\n";
+  CHECK_THAT(offered, Contains("ddp, 2 replicas\nsharded zero-1, 2 replicas\nsharded zero-2, 2 replicas\n"
+                               "sharded zero-3, 2 replicas\n"));
+  CHECK_THAT(plan::python_code(stage3.configuration), Contains("torchpar.ShardedDataParallel(model, stage=3"));
+  CHECK_THAT(plan::cpp_code(stage2.configuration), Contains(".process_group(group).stage(2));"));
 }
 
 TEST_CASE("plan: DDP's buckets take the same-host link where one is measured, the group's all-reduce otherwise") {
@@ -453,17 +503,30 @@ TEST_CASE("plan: a wide embedding model over the memory cap goes to the paramete
   model.layers[0].forward_ms = 0.1;
   const auto result = plan::Planner(model, network(0.05, 0.5), batch_of(64, 2))
                           .plan(plan::PlanOptions().world(4).memory_per_rank(250 * kMiB));
+  // ZeRO-2 fits too: the whole parameters (98 MiB) and a quarter of them with their gradient and Adam's state
+  // (4 x 24.5 MiB); it moves the whole table every step.
+  const auto zero2 = [](const plan::Prediction& p) {
+    return p.configuration.strategy == plan::Strategy::Sharded && p.configuration.zero_stage == 2;
+  };
   REQUIRE_FALSE(result.ranked.empty());
+  CHECK(result.ranked.front().configuration.strategy == plan::Strategy::ParameterServer);
   for (const auto& p : result.ranked) {
+    if (zero2(p)) {
+      CHECK(p.memory_per_rank == Approx((98 + 4 * 24.5) * kMiB).epsilon(0.01));
+      CHECK(p.bytes_per_step == 2 * 3 * 98 * kMiB / 4);
+      continue;
+    }
     CHECK(p.configuration.strategy == plan::Strategy::ParameterServer);
     CHECK(p.configuration.servers == 2);
     CHECK(p.memory_per_rank == Approx((10 * 1 + 3 * 48 + 2 * 2 * 0.0625) * kMiB).epsilon(0.01));  // a server
     CHECK(p.bytes_per_step < 8 * kMiB);  // the MLP and the touched rows, not the table
   }
+  CHECK(std::any_of(result.ranked.begin(), result.ranked.end(), zero2));
   CHECK_THAT(result.recommended_cpp, Contains("torchpar::ps::ParameterService"));
-  // The same table without sparse rows: a worker would hold it 4 times over, and nothing fits.
+  // The same table without sparse rows: a worker would hold it 4 times over; only ZeRO-2 fits.
   model.layers[0].sparse_parameter_bytes = 0;
-  CHECK(plan::Planner(model, network(0.05, 0.5), batch_of(64, 2))
-            .plan(plan::PlanOptions().world(4).memory_per_rank(250 * kMiB))
-            .ranked.empty());
+  const auto dense = plan::Planner(model, network(0.05, 0.5), batch_of(64, 2))
+                         .plan(plan::PlanOptions().world(4).memory_per_rank(250 * kMiB));
+  REQUIRE(dense.ranked.size() == 1);
+  CHECK(zero2(dense.ranked.front()));
 }

@@ -21,16 +21,21 @@ def plan(tmp_path, model, *options, **environment):
 
 def test_a_deep_mlp_over_the_memory_cap_is_pipelined(tmp_path):
     # 8 MiB of parameters: with gradients, DDP's bucket copies and momentum, 32 MiB on every rank; 4
-    # pipeline stages hold a quarter each, and so do a tensor group of 4 and 2 stages of 2-rank tensor groups.
+    # pipeline stages hold a quarter each, and so do a tensor group of 4 and 2 stages of 2-rank tensor groups;
+    # ZeRO-3 a quarter of the parameters, their gradients and momentum and one layer gathered (ZeRO-1 and 2 keep
+    # the whole parameters: over the cap).
     report, output = plan(tmp_path, "deep_mlp", "--batch", 64, "--world", 4, "--memory-per-rank", "12MiB",
                           "--verify", 1, "--verify-each-strategy", "--steps", 2)
     assert report["ranked"], output
-    # Pipelines and tensor parallelism split the parameters; the pipeline, with no all-reduce per layer, first.
-    assert {p["fields"]["strategy"] for p in report["ranked"]} == {"pipeline", "tensor"}, output
+    # Pipelines, tensor parallelism and ZeRO-3 split the parameters; the pipeline, with no collective per layer,
+    # first.
+    assert {p["fields"]["strategy"] for p in report["ranked"]} == {"pipeline", "tensor", "sharded"}, output
+    assert {p["fields"]["zero_stage"] for p in report["ranked"] if p["fields"]["strategy"] == "sharded"} == {3}
     assert report["ranked"][0]["fields"]["strategy"] == "pipeline", output
     assert all(p["memory_per_rank"] <= 12 * MiB for p in report["ranked"])
     reasons = {e["configuration"]: e["reason"] for e in report["excluded"]}
     assert "over the 12.0 MiB cap" in reasons["ddp, 4 replicas"], reasons
+    assert "over the 12.0 MiB cap" in reasons["sharded zero-2, 4 replicas"], reasons
     assert any("ps bsp" in name and "over the 12.0 MiB cap" in reason for name, reason in reasons.items())
     assert "torchpar.pipeline.Pipeline(layers, loss_fn" in output and "torchpar::pipeline::Pipeline" in output
     assert (tmp_path / "plan.png").stat().st_size > 0
@@ -38,16 +43,23 @@ def test_a_deep_mlp_over_the_memory_cap_is_pipelined(tmp_path):
     three_d = [row for row in report["verified"] if "stages x 2 tensor" in row["configuration"]]
     assert len(three_d) == 1 and three_d[0]["measured_ms"] > 0, output
     assert len({row["configuration"].split(",")[0] for row in report["verified"]}) >= 2, output
+    # ZeRO-3 was run too, each layer a unit.
+    zero3 = [row for row in report["verified"] if row["configuration"] == "sharded zero-3, 4 replicas"]
+    assert len(zero3) == 1 and zero3[0]["measured_ms"] > 0, output
 
 
 def test_a_wide_embedding_over_the_memory_cap_goes_to_the_parameter_server(tmp_path):
     # ~49 MiB of embedding trained with Adam: DDP holds 5 copies of it, a pipeline stage (it cannot be cut) 4;
     # the parameter server keeps it as sparse rows, each of 2 servers half of it with Adam's state (3 halves),
-    # a worker only the rows its samples touch.
+    # a worker only the rows its samples touch. ZeRO-2 fits too (the whole table, and a quarter of it with its
+    # gradient and Adam's state: 2 x 49 MiB), moving the whole table every step; ZeRO-1 and 3 do not.
     report, output = plan(tmp_path, "wide_embedding", "--batch", 60, "--world", 4, "--memory-per-rank", "120MiB")
     assert report["ranked"], output
-    assert {p["fields"]["strategy"] for p in report["ranked"]} == {"ps"}, output
-    assert all(p["fields"]["servers"] == 2 for p in report["ranked"])
+    assert {p["fields"]["strategy"] for p in report["ranked"]} == {"ps", "sharded"}, output
+    assert report["ranked"][0]["fields"]["strategy"] == "ps", output
+    assert all(p["fields"]["servers"] == 2 for p in report["ranked"] if p["fields"]["strategy"] == "ps")
+    assert [p["configuration"] for p in report["ranked"] if p["fields"]["strategy"] == "sharded"] == [
+        "sharded zero-2, 4 replicas"], output
     reasons = {e["configuration"]: e["reason"] for e in report["excluded"]}
     assert "over the 120.0 MiB cap" in reasons["ps bsp, 3 workers + 1 server"], reasons
     assert "torchpar.ps.ParameterService(servers=2" in output
@@ -69,7 +81,8 @@ def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
                           "--verify-each-strategy", "--steps", 3)
     assert len(report["verified"]) >= 4, output  # the top 2 and the best of every strategy
     strategies = {row["configuration"].split()[0].rstrip(",") for row in report["verified"]}
-    assert strategies == {"ddp", "pipeline", "ps", "tensor"}, output  # tensor: the MLP's Linear layers split
+    # tensor: the MLP's Linear layers split; sharded: the best ZeRO stage
+    assert strategies == {"ddp", "sharded", "pipeline", "ps", "tensor"}, output
     for row in report["verified"]:
         assert row["measured_ms"] > 0 and row["predicted_ms"] > 0 and row["calibrated_ms"] > 0
         assert row["measured_memory"] >= 0 and row["predicted_memory"] > 0

@@ -80,7 +80,8 @@ void bind_plan(py::module_& module) {
       .value("ddp", plan::Strategy::DataParallel)
       .value("pipeline", plan::Strategy::Pipeline)
       .value("ps", plan::Strategy::ParameterServer)
-      .value("tensor", plan::Strategy::TensorParallel);
+      .value("tensor", plan::Strategy::TensorParallel)
+      .value("sharded", plan::Strategy::Sharded);
   py::class_<plan::Configuration>(m, "Configuration")
       .def(py::init<>())
       .def_readwrite("strategy", &plan::Configuration::strategy)
@@ -95,6 +96,7 @@ void bind_plan(py::module_& module) {
       .def_readwrite("balance", &plan::Configuration::balance)
       .def_readwrite("servers", &plan::Configuration::servers)
       .def_readwrite("synchronous", &plan::Configuration::synchronous)
+      .def_readwrite("zero_stage", &plan::Configuration::zero_stage)
       .def("describe", &plan::Configuration::describe);
   py::class_<plan::Prediction>(m, "Prediction")
       .def_readonly("configuration", &plan::Prediction::configuration)

@@ -246,6 +246,9 @@ std::string Configuration::describe() const {
       out << "tensor parallel over " << count_of(world / replicas, "rank");
       if (replicas > 1) out << " x " << count_of(replicas, "replica");
       break;
+    case Strategy::Sharded:
+      out << "sharded zero-" << zero_stage << ", " << count_of(world, "replica");
+      break;
   }
   return out.str();
 }
@@ -575,6 +578,73 @@ Prediction predict_tensor_parallel(const ModelProfile& model, const NetworkProfi
   return prediction;
 }
 
+Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& idle_network, const TrainingSetup& setup,
+                           const Configuration& configuration, const Calibration& given) {
+  const int world = configuration.world;
+  const int stage = configuration.zero_stage;
+  TORCH_CHECK(stage >= 1 && stage <= 3, "sharded: ZeRO stage ", stage, " (1, 2 or 3)");
+  const auto calibration = with_contention(model, given, world, world);
+  const auto network = under_load(idle_network, given);
+  check_divides(setup.batch, world, "ranks");
+  const int64_t samples = setup.batch / world;
+  const auto parameters = static_cast<double>(model.parameter_bytes());
+  const double shard = parameters / world;
+  const bool apart = world > 1;
+  // Stage 3's units are the layers (a bucket each: a cap of one byte closes every bucket); stages 1-2 use DDP's.
+  const std::vector<size_t> caps = stage == 3 ? std::vector<size_t>{1}
+                                              : std::vector<size_t>{static_cast<size_t>(configuration.bucket_bytes)};
+  // Each gradient is copied into its bucket's flat tensor as it becomes final, on the compute thread.
+  const double copy_ms_per_byte = apart ? network.copy.ms_per_byte : 0.0;
+  // Beside a Gloo group of one host the engine's collectives go through the same shm group as DDP's buckets
+  // (sharded.md): a reduce-scatter or an all-gather is half an all-reduce there (a ring's two halves).
+  LinkCost reduce_scatter = network.reduce_scatter, all_gather = network.all_gather;
+  if (network.ddp_all_reduce) {
+    reduce_scatter = all_gather = {network.ddp_all_reduce->alpha_ms, network.ddp_all_reduce->ms_per_byte / 2};
+  }
+  const auto step = overlapped_step(model, samples, caps, calibration, copy_ms_per_byte, [&](double bytes) {
+    return apart ? reduce_scatter.milliseconds(bytes) : 0.0;
+  });
+  // The all-gathers no compute hides: stages 1-2 every bucket after the step, then the gathered values copied
+  // into the parameters; stage 3 every layer before its forward and again before its backward.
+  double gather_ms = 0;
+  int64_t largest_layer = 0;
+  for (const auto& layer : model.layers) largest_layer = std::max(largest_layer, layer.parameter_bytes);
+  if (apart && stage == 3) {
+    for (const auto& layer : model.layers) {
+      gather_ms += 2 * all_gather.milliseconds(static_cast<double>(layer.parameter_bytes));
+    }
+  } else if (apart) {
+    std::vector<BucketableParameter> pieces;
+    for (const auto& layer : model.layers) pieces.push_back({static_cast<size_t>(layer.parameter_bytes)});
+    for (const auto& bucket : assign_buckets(pieces, reverse_registration_order(pieces.size()), caps)) {
+      double bytes = 0;
+      for (size_t index : bucket) bytes += static_cast<double>(pieces[index].bytes);
+      gather_ms += all_gather.milliseconds(bytes);
+    }
+    gather_ms += network.copy.ms_per_byte * parameters;
+  }
+  Prediction prediction;
+  prediction.configuration = configuration;
+  prediction.compute_ms = step.forward_ms + step.backward_ms;
+  prediction.exposed_comm_ms = step.finish_ms - step.backward_ms + gather_ms;
+  prediction.step_ms = step.forward_ms + step.finish_ms + gather_ms + setup.optimizer_ms_per_byte * shard +
+                       calibration.per_step_ms;
+  // The shard (its flat copy: the optimizer's parameters), its averaged gradient and the optimizer's state on it;
+  // stages 1-2 also the whole parameters, stage 1 their local gradients; stage 3 the layer at work, gathered, and
+  // its gradients. Then the activations of the rank's samples.
+  double state = shard * (2 + setup.optimizer_state_factor);
+  if (stage <= 2) state += parameters;
+  if (stage == 1) state += parameters;
+  if (stage == 3) state += 2 * static_cast<double>(largest_layer);
+  prediction.memory_per_rank = static_cast<int64_t>(state) +
+                               activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
+  // A ring reduce-scatter and all-gather (DDP's all-reduce); stage 3 gathers twice.
+  prediction.bytes_per_step =
+      apart ? static_cast<int64_t>((stage == 3 ? 3.0 : 2.0) * (world - 1) / world * parameters) : 0;
+  prediction.samples_per_second = static_cast<double>(setup.batch) * 1000.0 / prediction.step_ms;
+  return prediction;
+}
+
 Prediction predict(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
                    const Configuration& configuration, const Calibration& calibration) {
   TORCH_CHECK(model.batch > 0 && !model.layers.empty(), "plan: the model profile has no layers");
@@ -583,6 +653,7 @@ Prediction predict(const ModelProfile& model, const NetworkProfile& network, con
     case Strategy::Pipeline: return predict_pipeline(model, network, setup, configuration, calibration);
     case Strategy::ParameterServer: return predict_parameter_server(model, network, setup, configuration, calibration);
     case Strategy::TensorParallel: return predict_tensor_parallel(model, network, setup, configuration, calibration);
+    case Strategy::Sharded: return predict_sharded(model, network, setup, configuration, calibration);
   }
   TORCH_CHECK(false, "plan: unknown strategy");
 }

@@ -124,7 +124,7 @@ struct TrainingSetup {
   double optimizer_ms_per_byte = 0;   // the optimizer step's time per parameter byte (measured)
 };
 
-enum class Strategy { DataParallel, Pipeline, ParameterServer, TensorParallel };
+enum class Strategy { DataParallel, Pipeline, ParameterServer, TensorParallel, Sharded };
 
 // How tensor parallelism splits each layer, Megatron-style: two splittable layers in a row become a
 // column-parallel one (output features split, kept split) and a row-parallel one (input features
@@ -151,6 +151,8 @@ struct Configuration {
   // ParameterServer: servers (the other world - servers ranks are workers), synchronous or not.
   int servers = 1;
   bool synchronous = true;
+  // Sharded: ZeRO's stage (1 optimizer state, 2 and gradients, 3 and parameters; each layer a unit at 3).
+  int zero_stage = 2;
   std::string describe() const;  // "pipeline 1f1b, 2 stages x 2 replicas, 8 micro-batches"
 };
 
@@ -178,6 +180,12 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
 Prediction predict_tensor_parallel(const ModelProfile& model, const NetworkProfile& network,
                                    const TrainingSetup& setup, const Configuration& configuration,
                                    const Calibration& calibration = {});
+// Sharded data parallelism (sharded/sharded_coordinator.h): DDP's compute, the gradient buckets reduce-scattered
+// as backward produces them, the optimizer over 1/N of the parameters, then (stages 1-2) the updated shards
+// all-gathered; at stage 3 each layer is a unit, all-gathered before its forward and again before its backward
+// (no prefetch: the gathers are exposed). Memory by ZeRO's count plus the engine's flat shard copy.
+Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
+                           const Configuration& configuration, const Calibration& calibration = {});
 Prediction predict(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
                    const Configuration& configuration, const Calibration& calibration = {});
 

@@ -42,6 +42,15 @@ std::vector<Configuration> Planner::candidates(const PlanOptions& options) const
     ddp.world = world;
     configurations.push_back(ddp);
   }
+  if (options.sharded() && world > 1) {
+    for (int stage : {1, 2, 3}) {
+      Configuration sharded;
+      sharded.strategy = Strategy::Sharded;
+      sharded.world = world;
+      sharded.zero_stage = stage;
+      configurations.push_back(sharded);
+    }
+  }
   // Pipelines of tensor groups (3-D with replicas) where a layer splits and each replica has 2 stages or more.
   const bool splits = std::any_of(model_.layers.begin(), model_.layers.end(),
                                   [](const LayerProfile& layer) { return layer.out_features > 0; });
@@ -218,6 +227,13 @@ std::string cpp_code(const Configuration& c, bool sparse_tables) {
           << tensor_layers_cpp;
       if (c.replicas > 1) out << "// gradients averaged over grid.data_group() after backward\n";
       break;
+    case Strategy::Sharded:
+      out << "auto group = torchpar::init_process_group();\n"
+          << "torchpar::sharded::ShardedDataParallel model(module, torchpar::sharded::ShardedOptions()\n"
+          << "    .process_group(group).stage(" << c.zero_stage << ")"
+          << (c.zero_stage == 3 ? ".units({/* each layer's name */})" : "") << ");\n"
+          << "auto optimizer = model.optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-3));\n";
+      break;
   }
   return out.str();
 }
@@ -265,6 +281,12 @@ std::string python_code(const Configuration& c, bool sparse_tables) {
           << "grid = torchpar.ParallelGrid(data=" << c.replicas << ", tensor=" << c.world / c.replicas << ")\n"
           << tensor_layers_python;
       if (c.replicas > 1) out << "# gradients averaged over grid.data_group after backward\n";
+      break;
+    case Strategy::Sharded:
+      out << "torchpar.init_process_group()\n"
+          << "model = torchpar.ShardedDataParallel(model, stage=" << c.zero_stage
+          << (c.zero_stage == 3 ? ", units=[...]  # each layer" : "") << ")\n"
+          << "optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=1e-3)\n";
       break;
   }
   return out.str();

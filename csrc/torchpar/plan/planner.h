@@ -26,6 +26,7 @@ struct PlanOptions {
   TORCH_ARG(bool, pipeline) = true;
   TORCH_ARG(bool, parameter_server) = true;
   TORCH_ARG(bool, tensor_parallel) = true;
+  TORCH_ARG(bool, sharded) = true;  // ZeRO stages 1, 2 and 3
 };
 
 struct Excluded {

@@ -27,7 +27,7 @@ _LAYER_FIELDS = ("name", "forward_ms", "backward_input_ms", "backward_weight_ms"
                  "backward_input_overhead_ms", "backward_weight_overhead_ms", "parameter_bytes", "activation_bytes",
                  "output_bytes", "sparse_parameter_bytes", "sparse_bytes_per_sample", "in_features", "out_features")
 _CONFIGURATION_FIELDS = ("world", "replicas", "tensor", "schedule", "microbatches", "virtual_stages", "balance",
-                         "servers", "synchronous")
+                         "servers", "synchronous", "zero_stage")
 
 
 def default_calibration(world: int) -> Calibration:

@@ -6,7 +6,8 @@
 
 Profiles the model's layers on one rank, times whole passes alone and with every rank at once, measures
 the process group's all-reduce and transfers and a memory copy on all of them, predicts every strategy (DDP,
-pipeline schedules x micro-batches x replicas, parameter server x servers, BSP and ASP) and prints them
+ZeRO stages 1-3, pipeline schedules x micro-batches x replicas, parameter server x servers, BSP and ASP, tensor
+parallelism) and prints them
 ranked by predicted step time, with the configurations that are out and why, and the best one as C++ and
 Python code. --verify K runs the top K for a few steps and prints predicted against measured; each run is
 kept as a sample in ~/.cache/torchpar/plan_calibration.json ($TORCHPAR_PLAN_CALIBRATION), and the
@@ -66,8 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-per-rank", type=parse_bytes, default=0, help="e.g. 2GiB (default: no cap)")
     parser.add_argument("--verify", type=int, default=0, metavar="K", help="run the top K for real")
     parser.add_argument("--verify-each-strategy", action="store_true",
-                        help="also verify the best configuration of every strategy (ddp, pipeline, ps, tensor, "
-                             "pipeline x tensor) outside the top K")
+                        help="also verify the best configuration of every strategy (ddp, sharded, pipeline, ps, "
+                             "tensor, pipeline x tensor) outside the top K")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per verified configuration, at least "
                         "(more where its steps are quick: up to 0.25 s of them)")
     parser.add_argument("--backend", choices=["gloo", "shm"], default="gloo")
@@ -227,7 +228,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
 
         chosen[0] = report["ranked"][:args.verify]
         if args.verify_each_strategy:
-            for kind in ("ddp", "pipeline", "ps", "tensor", "pipeline x tensor"):
+            for kind in ("ddp", "sharded", "pipeline", "ps", "tensor", "pipeline x tensor"):
                 best = next((p for p in report["ranked"] if strategy_kind(p["fields"]) == kind), None)
                 if best is not None and best not in chosen[0]:
                     chosen[0].append(best)

@@ -97,6 +97,23 @@ def _ddp(model: Model, layers: list[nn.Module], batch: int, warmup: int, steps: 
     return _timed_training(model, net, batch // dist.get_world_size(), warmup, steps)
 
 
+def _sharded(model: Model, layers: list[nn.Module], stage: int, batch: int, warmup: int, steps: int) -> float:
+    """ZeRO at `stage`, each layer a unit at stage 3 (as the cost model counts), the model's optimizer on the
+    rank's shard."""
+    net = torchpar.ShardedDataParallel(nn.Sequential(*layers), stage=stage)
+    optimizer_class, defaults = ((torch.optim.Adam, dict(lr=model.lr)) if model.optimizer == "adam"
+                                 else (torch.optim.SGD, dict(lr=model.lr, momentum=0.9)))
+    optimizer = torchpar.ShardedOptimizer(net, optimizer_class, **defaults)
+    x, y = model.sample(batch // dist.get_world_size())
+
+    def step():
+        optimizer.zero_grad()
+        model.loss(net(x), y).backward()
+        optimizer.step()
+
+    return _timed_steps(step, warmup, steps)
+
+
 def _pipeline(model: Model, configuration, batch: int, warmup: int, steps: int, backend: str,
               tensor_roles: Optional[list[str]]) -> float:
     world = dist.get_world_size()
@@ -175,6 +192,9 @@ def measure(model: Model, configuration, batch: int, backend: str, control, warm
         mine = _ddp(model, layers, batch, warmup, steps)
     elif strategy == _engine.Strategy.pipeline:
         mine = _pipeline(model, configuration, batch, warmup, steps, backend, tensor_roles)
+    elif strategy == _engine.Strategy.sharded:
+        layers = [copy.deepcopy(model.build(i)) for i in range(len(model.layers))]
+        mine = _sharded(model, layers, configuration.zero_stage, batch, warmup, steps)
     elif strategy == _engine.Strategy.tensor:
         mine = _tensor_parallel(model, tensor_roles, configuration, batch, warmup, steps, backend)
     else:
