@@ -58,9 +58,9 @@ class ShardedDataParallel(nn.Module):
         # As DDP: on a Gloo group whose ranks share this host, the reduce-scatters and all-gathers go through
         # shared memory (Gloo's reduce-scatter costs several all-reduces of the same bytes).
         device = next(module.parameters(), torch.empty(0)).device
-        self._data_group = shm_group_beside(process_group, device) or process_group
+        data_group = shm_group_beside(process_group, device) or process_group
         self._coordinator = _C.sharded.ShardedCoordinator(
-            list(module.named_parameters(remove_duplicate=False)), list(module.named_buffers()), self._data_group,
+            list(module.named_parameters(remove_duplicate=False)), list(module.named_buffers()), data_group,
             stage=stage, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
             param_dtype=getattr(mp_policy, "param_dtype", None), reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
             units=unit_names, reshard_after_forward=reshard_after_forward)

@@ -97,6 +97,7 @@ struct OverlappedStep {
   double forward_ms = 0;
   double backward_ms = 0;
   double finish_ms = 0;  // backward end or the last bucket's end, whichever is later (after forward)
+  std::vector<double> bucket_bytes;  // each non-empty bucket's, in the order they go out
 };
 
 template <typename BucketCost>
@@ -125,6 +126,7 @@ OverlappedStep overlapped_step(const ModelProfile& model, int64_t samples, const
       at = std::max(at, ready[index]);
     }
     if (bytes == 0) continue;
+    step.bucket_bytes.push_back(bytes);
     bucket_ready.push_back(at);
     bucket_cost_ms.push_back(bucket_cost(bytes));
   }
@@ -604,25 +606,16 @@ Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& idle
   const auto step = overlapped_step(model, samples, caps, calibration, copy_ms_per_byte, [&](double bytes) {
     return apart ? reduce_scatter.milliseconds(bytes) : 0.0;
   });
-  // The all-gathers no compute hides: stages 1-2 every bucket after the step, then the gathered values copied
-  // into the parameters; stage 3 every layer before its forward and again before its backward.
+  // The all-gathers no compute hides, of the buckets backward reduce-scattered: stages 1-2 each once after the
+  // step, then the gathered values copied into the parameters; stage 3 each (a layer) before its forward and
+  // again before its backward.
   double gather_ms = 0;
+  if (apart) {
+    for (double bytes : step.bucket_bytes) gather_ms += (stage == 3 ? 2 : 1) * all_gather.milliseconds(bytes);
+    if (stage <= 2) gather_ms += network.copy.ms_per_byte * parameters;
+  }
   int64_t largest_layer = 0;
   for (const auto& layer : model.layers) largest_layer = std::max(largest_layer, layer.parameter_bytes);
-  if (apart && stage == 3) {
-    for (const auto& layer : model.layers) {
-      gather_ms += 2 * all_gather.milliseconds(static_cast<double>(layer.parameter_bytes));
-    }
-  } else if (apart) {
-    std::vector<BucketableParameter> pieces;
-    for (const auto& layer : model.layers) pieces.push_back({static_cast<size_t>(layer.parameter_bytes)});
-    for (const auto& bucket : assign_buckets(pieces, reverse_registration_order(pieces.size()), caps)) {
-      double bytes = 0;
-      for (size_t index : bucket) bytes += static_cast<double>(pieces[index].bytes);
-      gather_ms += all_gather.milliseconds(bytes);
-    }
-    gather_ms += network.copy.ms_per_byte * parameters;
-  }
   Prediction prediction;
   prediction.configuration = configuration;
   prediction.compute_ms = step.forward_ms + step.backward_ms;

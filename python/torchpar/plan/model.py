@@ -32,10 +32,15 @@ class Model:
         layer = self.layers[index]
         return layer if isinstance(layer, nn.Module) else layer()
 
-    def make_optimizer(self, parameters) -> torch.optim.Optimizer:
+    def optimizer_class(self) -> tuple[type[torch.optim.Optimizer], dict]:
+        """The optimizer's class and arguments (as ZeroRedundancyOptimizer and ShardedOptimizer take them)."""
         if self.optimizer == "adam":
-            return torch.optim.Adam(parameters, lr=self.lr)
-        return torch.optim.SGD(parameters, lr=self.lr, momentum=0.9)
+            return torch.optim.Adam, dict(lr=self.lr)
+        return torch.optim.SGD, dict(lr=self.lr, momentum=0.9)
+
+    def make_optimizer(self, parameters) -> torch.optim.Optimizer:
+        optimizer_class, defaults = self.optimizer_class()
+        return optimizer_class(parameters, **defaults)
 
 
 def load_model(spec: str) -> Model:

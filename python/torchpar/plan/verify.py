@@ -79,9 +79,11 @@ class Measurement(NamedTuple):
     memory_bytes: int       # the fullest rank's growth of its resident set (0 where it cannot be measured)
 
 
-def _timed_training(model: Model, net: nn.Module, samples: int, warmup: int, steps: int) -> float:
-    """The median step of `net` trained by the model's optimizer on `samples` samples per rank."""
-    optimizer = model.make_optimizer(net.parameters())
+def _timed_training(model: Model, net: nn.Module, samples: int, warmup: int, steps: int,
+                    optimizer: Optional[torch.optim.Optimizer] = None) -> float:
+    """The median step of `net` trained by `optimizer` (by default the model's over `net`'s parameters) on
+    `samples` samples per rank."""
+    optimizer = optimizer or model.make_optimizer(net.parameters())
     x, y = model.sample(samples)
 
     def step():
@@ -101,17 +103,9 @@ def _sharded(model: Model, layers: list[nn.Module], stage: int, batch: int, warm
     """ZeRO at `stage`, each layer a unit at stage 3 (as the cost model counts), the model's optimizer on the
     rank's shard."""
     net = torchpar.ShardedDataParallel(nn.Sequential(*layers), stage=stage)
-    optimizer_class, defaults = ((torch.optim.Adam, dict(lr=model.lr)) if model.optimizer == "adam"
-                                 else (torch.optim.SGD, dict(lr=model.lr, momentum=0.9)))
-    optimizer = torchpar.ShardedOptimizer(net, optimizer_class, **defaults)
-    x, y = model.sample(batch // dist.get_world_size())
-
-    def step():
-        optimizer.zero_grad()
-        model.loss(net(x), y).backward()
-        optimizer.step()
-
-    return _timed_steps(step, warmup, steps)
+    optimizer_class, defaults = model.optimizer_class()
+    return _timed_training(model, net, batch // dist.get_world_size(), warmup, steps,
+                           torchpar.ShardedOptimizer(net, optimizer_class, **defaults))
 
 
 def _pipeline(model: Model, configuration, batch: int, warmup: int, steps: int, backend: str,
