@@ -36,16 +36,23 @@ fresh_reports() {
 self_check() { # dir, Catch2 tag, what the report must say
   local dir=$1 tag=$2 expected=$3
   fresh_reports "$dir"
+  # The ranks' whole outputs are kept there (UBSan writes to a rank's stderr, not to log_path).
+  local rank_outputs=$dir/selfcheck-ranks
+  rm -rf "$rank_outputs"
+  mkdir -p "$rank_outputs"
   log "self-check: $dir/tests/cpp/torchpar_tests '$tag' must be reported ($expected)"
-  if "$dir/tests/cpp/torchpar_tests" "$tag" >"$dir/selfcheck.log" 2>&1; then
+  if TORCHPAR_TEST_KEEP_RANK_OUTPUT=$rank_outputs "$dir/tests/cpp/torchpar_tests" "$tag" >"$dir/selfcheck.log" 2>&1; then
     log "self-check $tag passed: the sanitizer does not see into the ranks"
     return 1
   fi
-  # Catch wraps a failure's message to its console width, so a report quoted in it may be cut anywhere
-  # between words: compared without whitespace and Catch's '|' margin.
-  local squeezed=${expected// /}
-  cat "$dir"/reports/* "$dir/selfcheck.log" 2>/dev/null | tr -d ' \n|' | grep -qsF "$squeezed" && return 0
+  # One grep over the files, no pipe: under pipefail, `cat | grep -q` fails whenever grep stops reading
+  # before cat has written everything (cat's SIGPIPE), which is how CI failed a self-check that was reported.
+  grep -qsF "$expected" "$dir"/reports/* "$rank_outputs"/* && return 0
   cat "$dir/selfcheck.log"
+  for output in "$rank_outputs"/*; do
+    printf '=== the whole output of a rank, %s\n' "$output"
+    cat "$output"
+  done
   log "self-check $tag failed without a report saying '$expected'"
   return 1
 }

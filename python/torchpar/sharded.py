@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -67,6 +68,8 @@ class ShardedDataParallel(nn.Module):
         self.unit_names = unit_names
         for unit, name in enumerate(unit_names, start=1):
             _gather_around(module.get_submodule(name), self._coordinator, unit)
+        if stage == 3:
+            _guard_reads(module, self._coordinator, unit_names, dist.get_rank(process_group))
 
     @property
     def stage(self) -> int:
@@ -166,6 +169,63 @@ def _gather_around(unit_module: nn.Module, coordinator: Any, unit: int) -> None:
 
     unit_module.register_forward_pre_hook(before_forward)
     unit_module.register_forward_hook(after_forward)
+
+
+# What may be asked of a stage-3 parameter whose storage is released: its metadata, its gradient, its hooks.
+_READS_NO_VALUES = frozenset([
+    torch.Tensor.device.__get__, torch.Tensor.dtype.__get__, torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__,
+    torch.Tensor.layout.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.is_meta.__get__,
+    torch.Tensor.is_sparse.__get__, torch.Tensor.is_quantized.__get__, torch.Tensor.requires_grad.__get__,
+    torch.Tensor.requires_grad.__set__, torch.Tensor.is_leaf.__get__, torch.Tensor.grad.__get__,
+    torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__, torch.Tensor.grad_fn.__get__,
+    torch.Tensor._backward_hooks.__get__, torch.Tensor._backward_hooks.__set__, torch.Tensor._post_accumulate_grad_hooks.__get__,
+    torch.Tensor._post_accumulate_grad_hooks.__set__, torch.Tensor.retains_grad.__get__, torch.Tensor.size,
+    torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.stride, torch.Tensor.element_size,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_contiguous, torch.Tensor.get_device,
+    torch.Tensor.requires_grad_, torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+    torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.storage_offset, torch.Tensor.__hash__,
+])
+
+
+class _ShardedParameter(nn.Parameter):
+    """A stage-3 parameter. Between its unit's gathers it views no memory, and a kernel reading it would read
+    through a null pointer: such a read is refused instead, naming the parameter, its unit and the rank."""
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _READS_NO_VALUES:
+            for value in (*args, *kwargs.values()):
+                for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(tensor, _ShardedParameter):
+                        tensor._refuse_if_released(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def _refuse_if_released(self, func: Callable) -> None:
+        where = self.__dict__.get("_torchpar_sharded")  # a copy (deepcopy of a gathered one) is a plain value
+        if where is None:
+            return
+        coordinator, index, name, unit, rank = where
+        if not coordinator.parameter_gathered(index):
+            attribute = getattr(func, "__self__", None)  # a property's getter: name the property
+            what = attribute.__name__ if isinstance(attribute, types.GetSetDescriptorType) else func.__name__
+            raise RuntimeError(
+                f"ShardedDataParallel (stage 3): parameter '{name}' ({unit}) read ({what}) on rank {rank} outside "
+                "its unit's forward and backward, where a rank holds only its shard and the parameter views no "
+                "memory. Call unshard() on the ShardedDataParallel model before reading it (reshard() after), or read "
+                "the ShardedDataParallel model's state_dict().")
+
+
+def _guard_reads(module: nn.Module, coordinator: Any, unit_names: list[str], rank: int) -> None:
+    """Stage 3: each trained parameter becomes a _ShardedParameter (same object, so autograd, the coordinator's
+    hooks and the user's references still hold it) that knows its index and its unit."""
+    for index, name in enumerate(coordinator.parameter_names):
+        parameter = module.get_parameter(name)
+        unit = coordinator.unit_of(index)
+        unit_name = f"unit '{unit_names[unit - 1]}'" if unit > 0 else "the root unit, which no unit holds"
+        parameter.__class__ = _ShardedParameter
+        parameter.__dict__["_torchpar_sharded"] = (coordinator, index, name, unit_name, rank)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

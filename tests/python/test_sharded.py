@@ -299,6 +299,19 @@ def stage_3(rank, world):
                                            atol=1e-6, msg=lambda m: f"{context} unshard() {name}: {m}")
             model.reshard()
             assert all(p.untyped_storage().nbytes() == 0 for p in unit_parameters), context
+            # Read outside its window, a parameter is refused by name (it would be a read through a null
+            # pointer); its metadata and gradient stay readable (what libraries ask of a model between steps).
+            weight = model.module.hidden.weight
+            assert (weight.shape, weight.device, weight.requires_grad, weight.grad) == ((13, 6), torch.device("cpu"),
+                                                                                      True, None)
+            refused = rf"parameter 'hidden.weight' \(unit 'hidden'\) read \({{}}\) on rank {rank} .* unshard\(\)"
+            for what, read in [("sum", lambda: weight.sum()), ("data", lambda: weight.data),
+                               ("linear", lambda: nn.functional.linear(torch.ones(6), weight)),
+                               ("cat", lambda: torch.cat([weight, weight]))]:
+                with pytest.raises(RuntimeError, match=refused.format(what)):
+                    read()
+            with pytest.raises(RuntimeError, match=r"'embed.weight' \(the root unit"):
+                model.module.state_dict()
     with pytest.raises(ValueError, match="no submodule 'hiden'"):
         torchpar.ShardedDataParallel(build(), stage=3, units=["hiden"])
     return True

@@ -427,6 +427,16 @@ void ShardedCoordinator::before_unit_backward(int unit) {
   for_buckets_of(unit, &ShardedCoordinator::gather_bucket);
 }
 
+int ShardedCoordinator::unit_of(size_t parameter) const {
+  TORCH_CHECK(parameter < parameters_.size(), "ShardedDataParallel: no trained parameter ", parameter);
+  return std::max(layout_.buckets[layout_.location[parameter].first].unit, 0);
+}
+
+bool ShardedCoordinator::parameter_gathered(size_t parameter) const {
+  TORCH_CHECK(parameter < parameters_.size(), "ShardedDataParallel: no trained parameter ", parameter);
+  return options_.stage() < 3 || gathered_[layout_.location[parameter].first];
+}
+
 void ShardedCoordinator::gather_all() {
   std::lock_guard<std::mutex> lock(mutex_);
   for (int unit = 0; unit < units_; ++unit) for_buckets_of(unit, &ShardedCoordinator::gather_bucket);

@@ -73,6 +73,9 @@ class ShardedCoordinator {
   void before_unit_forward(int unit);
   void after_unit_forward(int unit);
   void before_unit_backward(int unit);
+  // The unit of trained parameter `parameter`, and whether its values are there now (stages 1-2: always).
+  int unit_of(size_t parameter) const;
+  bool parameter_gathered(size_t parameter) const;
   // Every unit gathered (to read or save the whole model), and released again.
   void gather_all();
   void release_all();

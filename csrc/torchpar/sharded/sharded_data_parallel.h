@@ -1,4 +1,4 @@
-// Sharded data parallelism (ZeRO stages 1 and 2) for LibTorch modules. A training loop changes three lines:
+// Sharded data parallelism (ZeRO stages 1, 2 and 3) for LibTorch modules. A training loop changes three lines:
 //
 //   namespace sh = torchpar::sharded;
 //   sh::ShardedDataParallel sharded(model, sh::ShardedOptions().process_group(group).stage(2));
@@ -7,6 +7,9 @@
 //   optimizer.zero_grad();
 //   torch::nll_loss(sharded(batch.data), batch.target).backward();  // was model->forward(...)
 //   optimizer.step();                  // this rank's shard stepped, then every rank's shard all-gathered
+//
+// Stage 3 (.stage(3)) also shards the parameters: on a torch::nn::Sequential each child holding parameters is
+// a unit gathered only around its forward and its backward (.units({"0", "2"}) chooses them).
 #pragma once
 #include <torchpar/common/module_tensors.h>
 #include <torchpar/common/no_sync_guard.h>
@@ -14,9 +17,14 @@
 #include <torchpar/sharded/sharded_optimizer.h>
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace torchpar::sharded {
 
@@ -26,17 +34,24 @@ using NoSyncGuard = torchpar::NoSyncGuard<ShardedCoordinator>;
 template <typename ModuleHolder>
 class ShardedDataParallel {
  public:
+  // Stage 3 of a torch::nn::Sequential without units: each child that holds parameters is one (as Python's
+  // ShardedDataParallel and FSDP2's fully_shard per block).
   ShardedDataParallel(ModuleHolder module, ShardedOptions options)
       : module_(std::move(module)),
-        coordinator_(std::make_unique<ShardedCoordinator>(named_parameters_of(*module_),
-                                                          named_buffers_of(*module_), std::move(options))) {}
+        coordinator_(std::make_unique<ShardedCoordinator>(named_parameters_of(*module_), named_buffers_of(*module_),
+                                                          with_default_units(options))),
+        child_units_(child_units(options)) {}
 
-  // Stage 3: a LibTorch module has no forward hooks to gather each unit around its own forward, so the whole
-  // model is gathered for the forward and released unit by unit as backward reduces it (Python's wrapper
-  // gathers unit by unit).
+  // Stage 3: a Sequential whose units are its children gathers each unit just before the child's forward,
+  // releases it after, and gathers it again when its output's gradient arrives (before the child's backward).
+  // Any other LibTorch module has no forward hooks to do that one unit at a time: the whole model is gathered
+  // for the forward and released unit by unit as backward reduces it.
   template <typename... Args>
   auto forward(Args&&... args) {
     coordinator_->pre_forward(coordinator_->will_sync());
+    if constexpr (std::is_same_v<ModuleHolder, torch::nn::Sequential>) {
+      if (!child_units_.empty()) return forward_unit_by_unit(std::forward<Args>(args)...);
+    }
     if (coordinator_->stage() == 3) coordinator_->gather_all();
     return module_->forward(std::forward<Args>(args)...);
   }
@@ -51,13 +66,77 @@ class ShardedDataParallel {
     return ShardedOptimizer(*coordinator_, std::make_unique<Optimizer>(coordinator_->shard(), std::move(options)));
   }
 
+  // Stage 3: every unit's parameters gathered (collective), to read them whole between steps, as FSDP2's
+  // unshard; reshard() frees them again. Between steps a stage-3 parameter views no memory: reading it without
+  // unshard() reads through a null pointer (Python refuses such a read; LibTorch tensors cannot be guarded).
+  void unshard() {
+    if (coordinator_->stage() == 3) coordinator_->gather_all();
+  }
+  void reshard() {
+    if (coordinator_->stage() == 3) coordinator_->release_all();
+  }
+
   NoSyncGuard no_sync() { return NoSyncGuard(*coordinator_); }
   ModuleHolder& module() { return module_; }
   ShardedCoordinator& coordinator() { return *coordinator_; }
 
  private:
+  ShardedOptions with_default_units(ShardedOptions options) const {
+    if constexpr (std::is_same_v<ModuleHolder, torch::nn::Sequential>) {
+      if (options.stage() == 3 && options.units().empty()) {
+        std::vector<std::string> units;
+        for (const auto& child : module_->named_children()) {
+          if (!child.value()->parameters().empty()) units.push_back(child.key());
+        }
+        options.units(std::move(units));
+      }
+    }
+    return options;
+  }
+
+  // Per child of a Sequential, its unit (0: none, in the root); empty where the units are not all children.
+  std::vector<int> child_units(const ShardedOptions& given) const {
+    if constexpr (std::is_same_v<ModuleHolder, torch::nn::Sequential>) {
+      const auto options = with_default_units(given);
+      if (options.stage() != 3) return {};
+      std::vector<int> units(module_->size(), 0);
+      const auto children = module_->named_children();
+      for (size_t unit = 0; unit < options.units().size(); ++unit) {
+        const auto& name = options.units()[unit];
+        size_t child = 0;
+        while (child < children.size() && children[child].key() != name) ++child;
+        if (child == children.size()) return {};  // a unit inside a child: gathered whole
+        units[child] = static_cast<int>(unit) + 1;
+      }
+      return units;
+    }
+    return {};
+  }
+
+  template <typename... Args>
+  at::Tensor forward_unit_by_unit(Args&&... args) {
+    auto* coordinator = coordinator_.get();
+    std::optional<torch::nn::AnyValue> value;
+    size_t child = 0;
+    for (auto& module : *module_) {
+      const int unit = child_units_[child];
+      if (unit > 0) coordinator->before_unit_forward(unit);
+      value = child == 0 ? module.any_forward(std::forward<Args>(args)...) : module.any_forward(std::move(*value));
+      if (unit > 0) {
+        coordinator->after_unit_forward(unit);
+        if (auto* output = value->template try_get<at::Tensor>(); output && output->requires_grad()) {
+          output->register_hook([coordinator, unit](const at::Tensor&) { coordinator->before_unit_backward(unit); });
+        }
+      }
+      ++child;
+    }
+    TORCH_CHECK(value, "ShardedDataParallel: forward of an empty Sequential");
+    return value->template get<at::Tensor>();
+  }
+
   ModuleHolder module_;
   std::unique_ptr<ShardedCoordinator> coordinator_;
+  std::vector<int> child_units_;
 };
 
 } // namespace torchpar::sharded
