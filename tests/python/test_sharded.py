@@ -2,6 +2,8 @@
 (and to torch's DDP where BatchNorm keeps per-rank statistics), with SGD-momentum and Adam, parameter sizes that do
 not divide by the group, a frozen and a tied parameter; no_sync accumulation; clipping; what a rank holds."""
 import copy
+import os
+import time
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torchpar
-from rank_harness import run_on_ranks
+from rank_harness import launch_ranks, run_on_ranks
 
 STEPS, PER_RANK, VOCABULARY = 3, 4, 11
 OPTIMIZERS = {
@@ -320,3 +322,32 @@ def stage_3(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_stage_3_trains_as_one_process_holding_only_its_shard_between_units(world):
     assert run_on_ranks(world, stage_3, deadline_s=300) == [True] * world
+
+
+def die_before_a_gather(rank, world, where):
+    """Rank 1 exits just before unit `out` is gathered, for its forward or for its backward; rank 0 waits in
+    that all-gather and must fail within the group's timeout, naming the unit and the rank that is gone."""
+    model = torchpar.ShardedDataParallel(build(), stage=3, units=["hidden", "out"])
+    ids, targets = batches(world)[0]
+    if rank == 1 and where == "forward":  # prepended: before the wrapper's own hook gathers the unit
+        model.module.out.register_forward_pre_hook(lambda *_: os._exit(3), prepend=True)
+    start = time.monotonic()
+    try:
+        logits = model(ids[:PER_RANK])
+        if rank == 1 and where == "backward":
+            logits.register_hook(lambda grad: os._exit(3))  # the loss's gradient arrives before `out` is gathered
+        nn.functional.cross_entropy(logits, targets[:PER_RANK]).backward()
+    except RuntimeError as error:
+        return str(error), time.monotonic() - start
+    raise AssertionError(f"a step succeeded although rank 1 died before a {where} gather")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_rank_dying_before_a_gather_gives_the_others_a_clear_error_within_the_timeout(where):
+    outcomes = launch_ranks(2, die_before_a_gather, where, deadline_s=60, collective_timeout_s=10, grace_s=30)
+    assert not outcomes[1].passed and "exited with code 3" in outcomes[1].message
+    assert outcomes[0].passed, outcomes[0].message
+    message, seconds = outcomes[0].value
+    assert "ShardedDataParallel (rank 0): the all-gather of unit 'out' failed" in message, message
+    assert "rank 1" in message and "has exited" in message, message
+    assert seconds < 15, f"the error took {seconds:.1f} s, past the 10 s timeout"

@@ -99,6 +99,7 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
   }
   const at::Device device = parameters_.front().device();
   check_same_model(group, distinct, buffers_, device, "ShardedDataParallel");
+  peers_ = PeerProcesses::gather(group, device);
   {
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> state;
@@ -246,8 +247,8 @@ void ShardedCoordinator::launch(size_t index) {
 void ShardedCoordinator::complete_oldest() {
   InFlight done = std::move(in_flight_.front());
   in_flight_.erase(in_flight_.begin());
-  done.work->wait();
   const auto& bucket = layout_.buckets[done.bucket];
+  wait_naming_lost(*done.work, "the reduce-scatter of " + describe(bucket));
   auto& shard = shard_[layout_.shard_index(bucket.dtype)];
   at::NoGradGuard no_grad;
   done.output.div_(options_.process_group()->getSize());
@@ -377,7 +378,7 @@ int64_t ShardedCoordinator::all_gather_bucket(const ShardBucket& bucket, const a
                          .narrow(0, bucket.shard_offset, bucket.piece_numel)
                          .to(gathered.scalar_type())
                          .contiguous();
-  all_gather(group, gathered, piece)->wait();
+  wait_naming_lost(*all_gather(group, gathered, piece), "the all-gather of " + describe(bucket));
   return bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(piece.element_size());
 }
 
@@ -425,6 +426,25 @@ void ShardedCoordinator::after_unit_forward(int unit) {
 void ShardedCoordinator::before_unit_backward(int unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   for_buckets_of(unit, &ShardedCoordinator::gather_bucket);
+}
+
+std::string ShardedCoordinator::describe(const ShardBucket& bucket) const {
+  if (bucket.unit > 0) return "unit '" + options_.units()[bucket.unit - 1] + "'";
+  if (bucket.unit == 0) return "the root unit";
+  std::string names;
+  for (const auto& slot : bucket.slots) names += (names.empty() ? "" : ", ") + names_[slot.parameter];
+  return "the bucket of " + names;
+}
+
+void ShardedCoordinator::wait_naming_lost(c10d::Work& work, const std::string& what) const {
+  try {
+    work.wait();
+  } catch (const std::exception& error) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+    TORCH_CHECK(false, peers_.explain(c10::str("ShardedDataParallel (rank ", options_.process_group()->getRank(),
+                                               "): ", what, " failed: ",
+                                               c10_error ? c10_error->what_without_backtrace() : error.what())));
+  }
 }
 
 int ShardedCoordinator::unit_of(size_t parameter) const {

@@ -6,6 +6,7 @@
 // per step are DDP's (a reduce-scatter and an all-gather instead of an all-reduce).
 #pragma once
 #include <torchpar/common/c10d_fwd.h>
+#include <torchpar/common/peer_processes.h>
 #include <torchpar/common/replica_check.h>
 #include <torchpar/sharded/options.h>
 #include <torchpar/sharded/shard_layout.h>
@@ -14,6 +15,7 @@
 
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 namespace c10d {
@@ -99,8 +101,13 @@ class ShardedCoordinator {
   // length, in its dtype: the piece is cast to it). Collective. Returns the bytes this rank sent.
   int64_t all_gather_bucket(const ShardBucket& bucket, const at::Tensor& shard_like, at::Tensor& gathered) const;
   void release_bucket(size_t bucket);
+  // "unit 'layers.0'", "the root unit", or the bucket's parameters: what an error names.
+  std::string describe(const ShardBucket& bucket) const;
+  // Waits for `work`; its failure is rethrown naming this rank, `what` and any rank whose process is gone.
+  void wait_naming_lost(c10d::Work& work, const std::string& what) const;
   void for_buckets_of(int unit, void (ShardedCoordinator::*action)(size_t));
 
+  PeerProcesses peers_;  // to name the rank that died when a collective fails
   std::vector<at::Tensor> parameters_;  // trained, distinct
   std::vector<std::string> names_;
   NamedTensors buffers_;
