@@ -39,11 +39,14 @@ class ShardedDataParallel(nn.Module):
     ``mp_policy`` is torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``: the model's floating-point
     parameters are cast to ``param_dtype`` (the shard keeps the master copy in their own dtype), gradients are
     reduced in ``reduce_dtype``, and floating-point inputs are cast when ``cast_forward_inputs``.
+    At stage 3, ``prefetch`` starts the next unit's all-gather (the next in forward, the previous in backward) as
+    soon as the current one's is done, so it moves while this unit computes; one more unit is gathered at a time.
     """
 
     def __init__(self, module: nn.Module, stage: int = 2, process_group: dist.ProcessGroup | None = None,
                  bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True, mp_policy: Any = None,
-                 units: Sequence[str | nn.Module] | type | None = None, reshard_after_forward: bool = True) -> None:
+                 units: Sequence[str | nn.Module] | type | None = None, reshard_after_forward: bool = True,
+                 prefetch: bool = True) -> None:
         super().__init__()
         if process_group is None:
             if not dist.is_initialized():
@@ -64,7 +67,7 @@ class ShardedDataParallel(nn.Module):
             list(module.named_parameters(remove_duplicate=False)), list(module.named_buffers()), data_group,
             stage=stage, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
             param_dtype=getattr(mp_policy, "param_dtype", None), reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
-            units=unit_names, reshard_after_forward=reshard_after_forward)
+            units=unit_names, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
         self.unit_names = unit_names
         for unit, name in enumerate(unit_names, start=1):
             _gather_around(module.get_submodule(name), self._coordinator, unit)

@@ -270,11 +270,17 @@ def stage_3(rank, world):
     for reshard_after_forward in (True, False):
         for optimizer_name, (optimizer_class, defaults) in OPTIMIZERS.items():
             context = f"stage 3 {optimizer_name} reshard_after_forward={reshard_after_forward} on {world} ranks"
+            context += " prefetching" if optimizer_name == "adam" else ""
             # Units: `hidden` and `out`; the tied embed/decoder and the frozen layer stay in the root.
+            prefetch = optimizer_name == "adam"
             model = torchpar.ShardedDataParallel(build(), stage=3, units=["hidden", "out"],
-                                                 reshard_after_forward=reshard_after_forward)
+                                                 reshard_after_forward=reshard_after_forward, prefetch=prefetch)
             optimizer = torchpar.ShardedOptimizer(model, optimizer_class, **defaults)
             unit_parameters = list(model.module.hidden.parameters()) + list(model.module.out.parameters())
+            # Prefetching, `out`'s gather is under way (its storage there) while `hidden` computes; else not yet.
+            out_storage_during_hidden = []
+            model.module.hidden.register_forward_hook(
+                lambda *_: out_storage_during_hidden.append(model.module.out.bias.untyped_storage().nbytes() > 0))
             # Between steps a rank holds no unit's parameters, only its shard.
             assert all(p.untyped_storage().nbytes() == 0 for p in model.module.parameters() if p.requires_grad)
             for ids, targets in batches(world):
@@ -289,6 +295,7 @@ def stage_3(rank, world):
                 # Gathered forward (and, resharded, again for backward) plus one reduce-scatter: up to 1.5x DDP's.
                 reduce_scatter = model._coordinator.reduce_scatter_bytes
                 assert 2 * reduce_scatter <= model.bytes_sent_last_step <= 3 * reduce_scatter, context
+            assert out_storage_during_hidden == [prefetch] * len(batches(world)), context
             full = model.state_dict()
             reference = one_process(optimizer_name, world)
             for name, expected in reference.named_parameters():

@@ -151,6 +151,7 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
       }
       unsharded_.push_back(flat);
       gathered_.push_back(true);
+      gathering_.emplace_back();
     }
     for (size_t b = 0; b < layout_.buckets.size(); ++b) release_bucket(b);
   }
@@ -178,6 +179,7 @@ void ShardedCoordinator::pre_forward(bool will_sync) {
   if (will_sync) bytes_sent_ = 0;
   if (options_.stage() == 3) {
     for_buckets_of(0, &ShardedCoordinator::gather_bucket);
+    prefetch(1);
   }
   armed_ = will_sync;
   backward_started_ = false;
@@ -370,19 +372,31 @@ at::Tensor ShardedCoordinator::shard_of(size_t shard, const std::vector<at::Tens
   return result;
 }
 
-int64_t ShardedCoordinator::all_gather_bucket(const ShardBucket& bucket, const at::Tensor& shard_like,
-                                              at::Tensor& gathered) const {
+ShardedCoordinator::Gathering ShardedCoordinator::launch_all_gather(const ShardBucket& bucket,
+                                                                    const at::Tensor& shard_like,
+                                                                    at::Tensor& gathered) const {
   at::NoGradGuard no_grad;
   auto& group = *options_.process_group();
   at::Tensor piece = shard_like.detach()
                          .narrow(0, bucket.shard_offset, bucket.piece_numel)
                          .to(gathered.scalar_type())
                          .contiguous();
-  wait_naming_lost(*all_gather(group, gathered, piece), "the all-gather of " + describe(bucket));
-  return bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(piece.element_size());
+  auto work = all_gather(group, gathered, piece);
+  return {std::move(work), std::move(piece)};
 }
 
-void ShardedCoordinator::gather_bucket(size_t index) {
+int64_t ShardedCoordinator::all_gather_bucket(const ShardBucket& bucket, const at::Tensor& shard_like,
+                                              at::Tensor& gathered) const {
+  const auto gathering = launch_all_gather(bucket, shard_like, gathered);
+  wait_naming_lost(*gathering.work, "the all-gather of " + describe(bucket));
+  return gathered_bytes(bucket, gathering.piece);
+}
+
+int64_t ShardedCoordinator::gathered_bytes(const ShardBucket& bucket, const at::Tensor& piece) const {
+  return bucket.piece_numel * (options_.process_group()->getSize() - 1) * static_cast<int64_t>(piece.element_size());
+}
+
+void ShardedCoordinator::start_gather(size_t index) {
   if (gathered_[index]) return;
   const auto& bucket = layout_.buckets[index];
   auto& flat = unsharded_[index];
@@ -390,12 +404,31 @@ void ShardedCoordinator::gather_bucket(size_t index) {
   const size_t bytes = static_cast<size_t>(bucket.padded_numel) * flat.element_size();
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
-  bytes_sent_ += all_gather_bucket(bucket, shard_[layout_.shard_index(bucket.dtype)], flat);
+  auto gathering = launch_all_gather(bucket, shard_[layout_.shard_index(bucket.dtype)], flat);
+  bytes_sent_ += gathered_bytes(bucket, gathering.piece);
+  gathering_[index] = std::move(gathering);
   gathered_[index] = true;
+}
+
+void ShardedCoordinator::finish_gather(size_t index) {
+  if (!gathering_[index]) return;
+  const auto gathering = std::move(*gathering_[index]);
+  gathering_[index].reset();
+  wait_naming_lost(*gathering.work, "the all-gather of " + describe(layout_.buckets[index]));
+}
+
+void ShardedCoordinator::gather_bucket(size_t index) {
+  start_gather(index);
+  finish_gather(index);
+}
+
+void ShardedCoordinator::prefetch(int unit) {
+  if (options_.prefetch() && unit >= 1 && unit < units_) for_buckets_of(unit, &ShardedCoordinator::start_gather);
 }
 
 void ShardedCoordinator::release_bucket(size_t index) {
   if (!gathered_[index]) return;
+  finish_gather(index);  // every rank takes part in a gather it started, needed or not
   auto* storage = unsharded_[index].storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, unsharded_[index].device()));
   storage->set_nbytes(0);
@@ -414,6 +447,7 @@ void ShardedCoordinator::for_buckets_of(int unit, void (ShardedCoordinator::*act
 void ShardedCoordinator::before_unit_forward(int unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   for_buckets_of(unit, &ShardedCoordinator::gather_bucket);
+  prefetch(unit + 1);
 }
 
 void ShardedCoordinator::after_unit_forward(int unit) {
@@ -426,6 +460,7 @@ void ShardedCoordinator::after_unit_forward(int unit) {
 void ShardedCoordinator::before_unit_backward(int unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   for_buckets_of(unit, &ShardedCoordinator::gather_bucket);
+  prefetch(unit - 1);
 }
 
 std::string ShardedCoordinator::describe(const ShardBucket& bucket) const {
@@ -454,7 +489,8 @@ int ShardedCoordinator::unit_of(size_t parameter) const {
 
 bool ShardedCoordinator::parameter_gathered(size_t parameter) const {
   TORCH_CHECK(parameter < parameters_.size(), "ShardedDataParallel: no trained parameter ", parameter);
-  return options_.stage() < 3 || gathered_[layout_.location[parameter].first];
+  const size_t bucket = layout_.location[parameter].first;
+  return options_.stage() < 3 || (gathered_[bucket] && !gathering_[bucket]);
 }
 
 void ShardedCoordinator::gather_all() {

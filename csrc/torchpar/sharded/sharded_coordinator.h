@@ -15,8 +15,10 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
+
 
 namespace c10d {
 class Work;
@@ -94,13 +96,27 @@ class ShardedCoordinator {
   // What a bucket of master dtype `dtype` is reduced and gathered in, under the mixed-precision options.
   c10::ScalarType reduce_dtype(c10::ScalarType dtype) const;
   c10::ScalarType compute_dtype(c10::ScalarType dtype) const;
-  // Stage 3: a bucket's parameters, views of one flat tensor whose storage is allocated and filled by an
-  // all-gather, or freed (every view, autograd's saved ones included, then holds no memory).
-  void gather_bucket(size_t bucket);
+  // An all-gather in flight, and the piece it sends (which must live until it completes).
+  struct Gathering {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor piece;
+  };
   // Every rank's piece of `bucket` in `shard_like` (shaped like its shard) into `gathered` (the bucket's padded
-  // length, in its dtype: the piece is cast to it). Collective. Returns the bytes this rank sent.
+  // length, in its dtype: the piece is cast to it). Collective.
+  Gathering launch_all_gather(const ShardBucket& bucket, const at::Tensor& shard_like, at::Tensor& gathered) const;
+  // The same, waited for. Returns the bytes this rank sent.
   int64_t all_gather_bucket(const ShardBucket& bucket, const at::Tensor& shard_like, at::Tensor& gathered) const;
+  int64_t gathered_bytes(const ShardBucket& bucket, const at::Tensor& piece) const;
+  // Stage 3: a bucket's parameters, views of one flat tensor whose storage is allocated and filled by an
+  // all-gather (started, then finished: waited for), or freed (every view, autograd's saved ones included, then
+  // holds no memory).
+  void start_gather(size_t bucket);
+  void finish_gather(size_t bucket);
+  void gather_bucket(size_t bucket);
   void release_bucket(size_t bucket);
+  // Stage 3: `unit`'s gather started, to run while the current unit computes (no-op for the root or past the
+  // last unit, or when ShardedOptions::prefetch is off).
+  void prefetch(int unit);
   // "unit 'layers.0'", "the root unit", or the bucket's parameters: what an error names.
   std::string describe(const ShardBucket& bucket) const;
   // Waits for `work`; its failure is rethrown naming this rank, `what` and any rank whose process is gone.
@@ -116,7 +132,8 @@ class ShardedCoordinator {
   std::vector<at::Tensor> shard_;
   int units_ = 1;
   std::vector<at::Tensor> unsharded_;  // stage 3: per bucket, the flat tensor its parameters view
-  std::vector<bool> gathered_;
+  std::vector<bool> gathered_;                      // its storage allocated (its all-gather perhaps in flight)
+  std::vector<std::optional<Gathering>> gathering_;  // its all-gather in flight
   std::unique_ptr<GradientReadyHooks> hooks_;
   std::mutex mutex_;
   bool grad_sync_ = true;
