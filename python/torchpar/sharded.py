@@ -73,6 +73,10 @@ class ShardedDataParallel(nn.Module):
             _gather_around(module.get_submodule(name), self._coordinator, unit)
         if stage == 3:
             _guard_reads(module, self._coordinator, unit_names, dist.get_rank(process_group))
+        # A state dict loaded into the model (through this wrapper, the module, or torch.distributed.checkpoint)
+        # must reach the shards, which the optimizer steps and the next gather spreads.
+        module.register_load_state_dict_pre_hook(self._before_load)
+        module.register_load_state_dict_post_hook(self._after_load)
 
     @property
     def stage(self) -> int:
@@ -125,6 +129,20 @@ class ShardedDataParallel(nn.Module):
         finally:
             self.reshard()
 
+    def _before_load(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict, *_: Any) -> None:
+        if local_metadata.get("assign_to_params_buffers"):
+            raise ValueError("ShardedDataParallel: load_state_dict(assign=True) would replace the parameters it "
+                             "shards; load without assign (the values are copied into them)")
+        self.unshard()  # stage 3: collective, as loading is done on every rank
+
+    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        coordinator = self._coordinator
+        with torch.no_grad():
+            values = [module.get_parameter(name).detach() for name in coordinator.parameter_names]
+            for index, shard in enumerate(coordinator.shard):
+                shard.copy_(coordinator.shard_of(index, values))
+        self.reshard()
+
     @property
     def bytes_sent_last_step(self) -> int:
         """Bytes this rank sent in the last step's reduce-scatters and all-gathers (the ring algorithm's count)."""
@@ -133,10 +151,16 @@ class ShardedDataParallel(nn.Module):
 
 def _unit_names(module: nn.Module, units: Sequence[str | nn.Module] | type | None) -> list[str]:
     """Stage 3's units as module names, in forward (registration) order: given by name or module, every
-    outermost submodule of a type, or by default each direct child that holds parameters."""
+    outermost submodule of a type, or by default each direct child holding a trained parameter no other child
+    holds."""
     names = {id(m): name for name, m in module.named_modules()}
-    if units is None:
-        return [name for name, child in module.named_children() if any(True for _ in child.parameters())]
+    if units is None:  # the children holding a trained parameter no other child holds (a tie's copies: the root)
+        holders: dict[int, int] = {}
+        for _, child in module.named_children():
+            for parameter in child.parameters():
+                holders[id(parameter)] = holders.get(id(parameter), 0) + 1
+        return [name for name, child in module.named_children()
+                if any(p.requires_grad and holders[id(p)] == 1 for p in child.parameters())]
     if isinstance(units, type):
         chosen = [name for name, m in module.named_modules() if isinstance(m, units) and name]
         return [name for name in chosen if not any(name.startswith(outer + ".") for outer in chosen)]

@@ -221,6 +221,52 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2_ranks_and_in_a_bare_model(tmp_path
         torch.testing.assert_close(value, continued[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"bare {name}: {m}")
 
 
+def load_into_a_wrapped_model(rank, world):
+    """A state dict loaded after wrapping (through the wrapper, into its module, or by torch.distributed.checkpoint's
+    set_model_state_dict) reaches the shards: the next step starts from the loaded values on every stage."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    (ids, targets), (next_ids, next_targets) = batches(world)[:2]
+    torch.manual_seed(5)
+    loaded = TiedNet().state_dict()
+    expected = build()
+    expected.load_state_dict(loaded)
+    expected_optimizer = torch.optim.SGD(expected.parameters(), lr=0.1)
+    loss_of(expected, next_ids, next_targets).backward()
+    expected_optimizer.step()
+    for stage in (1, 2, 3):
+        for how in ("wrapper", "module", "dcp"):
+            context = f"stage {stage}, loaded through the {how}"
+            model = torchpar.ShardedDataParallel(build(), stage=stage)
+            optimizer = torchpar.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+            optimizer.zero_grad()
+            loss_of(model, ids[mine], targets[mine]).backward()
+            optimizer.step()
+            if how == "wrapper":
+                model.load_state_dict({f"module.{name}": value for name, value in loaded.items()})
+            elif how == "module":
+                model.module.load_state_dict(loaded)
+            else:  # DCP's helpers take the inner module (their keys are then a bare model's)
+                set_model_state_dict(model.module, loaded)
+            optimizer.zero_grad()
+            loss_of(model, next_ids[mine], next_targets[mine]).backward()
+            optimizer.step()
+            full = model.state_dict()
+            for name, value in expected.named_parameters():
+                torch.testing.assert_close(full[f"module.{name}"], value.detach(), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{context} {name}: {m}")
+            if stage == 3:
+                assert all(p.untyped_storage().nbytes() == 0 for p in model.module.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="assign=True"):
+        torchpar.ShardedDataParallel(build(), stage=2).module.load_state_dict(loaded, assign=True)
+    return True
+
+
+def test_a_state_dict_loaded_after_wrapping_reaches_the_shards():
+    assert run_on_ranks(2, load_into_a_wrapped_model, deadline_s=180) == [True, True]
+
+
 def mixed_precision_against_fsdp2(rank, world, stage):
     """bf16 compute, fp32 master and reduction: the same arithmetic as torch's FSDP2 with the same policy (stage 3:
     each Linear a unit, resharded after forward, as each is a fully_shard unit)."""

@@ -19,6 +19,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <algorithm>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -34,8 +36,8 @@ using NoSyncGuard = torchpar::NoSyncGuard<ShardedCoordinator>;
 template <typename ModuleHolder>
 class ShardedDataParallel {
  public:
-  // Stage 3 of a torch::nn::Sequential without units: each child that holds parameters is one (as Python's
-  // ShardedDataParallel and FSDP2's fully_shard per block).
+  // Stage 3 of a torch::nn::Sequential without units: each child holding a trained parameter of its own is one
+  // (as Python's ShardedDataParallel, and FSDP2's fully_shard per block).
   ShardedDataParallel(ModuleHolder module, ShardedOptions options)
       : module_(std::move(module)),
         coordinator_(std::make_unique<ShardedCoordinator>(named_parameters_of(*module_), named_buffers_of(*module_),
@@ -84,9 +86,19 @@ class ShardedDataParallel {
   ShardedOptions with_default_units(ShardedOptions options) const {
     if constexpr (std::is_same_v<ModuleHolder, torch::nn::Sequential>) {
       if (options.stage() == 3 && options.units().empty()) {
+        // The children holding a trained parameter no other child holds (a tie's copies stay in the root).
+        std::map<const void*, int> holders;
+        for (const auto& child : module_->children()) {
+          for (const auto& parameter : child->parameters()) ++holders[parameter.unsafeGetTensorImpl()];
+        }
         std::vector<std::string> units;
         for (const auto& child : module_->named_children()) {
-          if (!child.value()->parameters().empty()) units.push_back(child.key());
+          const auto parameters = child.value()->parameters();
+          if (std::any_of(parameters.begin(), parameters.end(), [&](const at::Tensor& parameter) {
+                return parameter.requires_grad() && holders[parameter.unsafeGetTensorImpl()] == 1;
+              })) {
+            units.push_back(child.key());
+          }
         }
         options.units(std::move(units));
       }
