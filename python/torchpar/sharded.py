@@ -72,7 +72,7 @@ class ShardedDataParallel(nn.Module):
         for unit, name in enumerate(unit_names, start=1):
             _gather_around(module.get_submodule(name), self._coordinator, unit)
         if stage == 3:
-            _guard_reads(module, self._coordinator, unit_names, dist.get_rank(process_group))
+            _guard_reads(module, self._coordinator, unit_names, process_group.rank())
         # A state dict loaded into the model (through this wrapper, the module, or torch.distributed.checkpoint)
         # must reach the shards, which the optimizer steps and the next gather spreads.
         module.register_load_state_dict_pre_hook(self._before_load)
@@ -99,6 +99,12 @@ class ShardedDataParallel(nn.Module):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate gradients locally; the next synchronised one reduces the sum."""
         return sync_disabled(self._coordinator)
+
+    def reduce_gradients(self) -> None:
+        """Stages 1-2: the gradients that backward passes run outside this wrapper's forward accumulated in the
+        module's parameters (a pipeline stage's micro-batches, say) reduce-scattered into the shards now, as a
+        synchronised backward does while it runs; then ``optimizer.step()``. Collective over the group."""
+        self._coordinator.reduce_gradients()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model's averaged gradients (collective): the shards'

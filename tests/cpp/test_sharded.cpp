@@ -114,3 +114,33 @@ TEST_CASE("sharded: stages 1, 2 and 3 train a LibTorch module as one process doe
     }
   });
 }
+
+TEST_CASE("sharded: gradients of a backward run outside the wrapper are reduced by reduce_gradients", "[sharded]") {
+  // As a pipeline stage's micro-batches: the module's own forward and backward, twice, then one reduction.
+  run_on_ranks(2, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    torch::manual_seed(5);
+    const auto x = at::randn({4 * world, 5}), y = at::randn({4 * world, 3});
+    auto reference = network();
+    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(0.01));
+    at::mse_loss(reference->forward(x), y).backward();
+    reference_optimizer.step();
+    for (int stage : {1, 2}) {
+      ShardedDataParallel sharded(network(), ShardedOptions().process_group(pg).stage(stage));
+      auto optimizer = sharded.optimizer<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
+      for (int half : {0, 1}) {
+        const auto rows = x.narrow(0, rank * 4 + 2 * half, 2);
+        (at::mse_loss(sharded.module()->forward(rows), y.narrow(0, rank * 4 + 2 * half, 2)) / 2).backward();
+      }
+      sharded.reduce_gradients();
+      optimizer.step();
+      const auto ours = sharded.module()->parameters();
+      const auto expected = reference->parameters();
+      for (size_t i = 0; i < ours.size(); ++i) {
+        INFO("stage " << stage << " parameter " << i);
+        CHECK(at::allclose(ours[i], expected[i], 1e-5, 1e-6));
+      }
+    }
+    ShardedDataParallel stage3(network(), ShardedOptions().process_group(pg).stage(3));
+    CHECK_THROWS_WITH(stage3.reduce_gradients(), Catch::Matchers::Contains("for stages 1 and 2"));
+  });
+}

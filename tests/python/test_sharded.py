@@ -404,3 +404,84 @@ def test_a_rank_dying_before_a_gather_gives_the_others_a_clear_error_within_the_
     assert "ShardedDataParallel (rank 0): the all-gather of unit 'out' failed" in message, message
     assert "rank 1" in message and "has exited" in message, message
     assert seconds < 15, f"the error took {seconds:.1f} s, past the 10 s timeout"
+
+
+def stages_over_the_grids_data_axis(rank, world):
+    """2 data replicas x tensor size 2: a tensor-parallel transformer block sharded over the grid's data group at
+    each stage trains as the single-process block on the global batch (float64, SGD)."""
+    import torch.nn.functional as F
+
+    import torchpar.tensor_parallel as tp
+    from tp_transformer import Block
+
+    torch.set_default_dtype(torch.float64)
+    width, heads, hidden, seq, batch, steps = 8, 4, 16, 6, 4, 2
+    grid = torchpar.ParallelGrid(data=2, tensor=2)
+    generator = torch.Generator().manual_seed(50)
+    data = [(torch.randn(batch, seq, width, generator=generator), torch.randn(batch, seq, width, generator=generator))
+            for _ in range(steps)]
+    reference = Block(width, heads, hidden)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in data:
+        reference_optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        reference_optimizer.step()
+    replica = slice(grid.data_index * batch // 2, (grid.data_index + 1) * batch // 2)
+    for stage in (1, 2, 3):
+        model = torchpar.ShardedDataParallel(Block(width, heads, hidden, group=grid.tensor_group), stage=stage,
+                                             process_group=grid.data_group)
+        optimizer = torchpar.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+        for x, y in data:
+            optimizer.zero_grad()
+            F.mse_loss(model(x[replica]), y[replica]).backward()
+            optimizer.step()
+        model.unshard()
+        full = tp.full_state_dict(model.module, grid.tensor_group)
+        model.reshard()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(full[name], value, rtol=1e-9, atol=1e-9,
+                                       msg=lambda m: f"stage {stage} on the grid's data axis, {name}: {m}")
+    return True
+
+
+def test_stages_compose_with_tensor_parallelism_on_the_grids_data_axis():
+    assert run_on_ranks(4, stages_over_the_grids_data_axis, deadline_s=240) == [True] * 4
+
+
+def zero_over_pipeline_replicas(rank, world, stage):
+    """2 pipeline stages x 2 replicas: each stage's replicas shard its optimizer state (and gradients) over the grid's
+    data group, the pipeline's micro-batch gradients reduce-scattered after its step (reduce_gradients); training
+    equals one process on the global batch (Adam)."""
+    import torchpar.pipeline
+
+    grid = torchpar.ParallelGrid(data=2, pipeline=2)
+    layers = [lambda i=i: (torch.manual_seed(i), nn.Sequential(nn.Linear(6, 6), nn.Tanh()))[1] for i in range(4)]
+    pipe = torchpar.pipeline.Pipeline(layers, nn.functional.mse_loss, schedule="1f1b", microbatches=2,
+                                      balance=[2, 2], process_group=grid.pipeline_group)
+    model = torchpar.ShardedDataParallel(pipe.stage_modules, stage=stage, process_group=grid.data_group)
+    optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=0.01)
+    reference = nn.Sequential(*[factory() for factory in layers])
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(9)
+    replica = slice(grid.data_index * 4, (grid.data_index + 1) * 4)
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 6, generator=generator)
+        optimizer.zero_grad()
+        pipe.step(x[replica], y[replica])
+        model.reduce_gradients()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        reference_optimizer.step()
+    expected = dict(reference.named_parameters())
+    for name, value in model.module.named_parameters():  # "<stage>.<layer in stage>.<index in layer>.<tensor>"
+        stage_index, layer, rest = name.split(".", 2)
+        global_name = f"{2 * int(stage_index) + int(layer)}.{rest}"
+        torch.testing.assert_close(value, expected[global_name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"stage {stage} over the pipeline's replicas, {global_name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_shard_each_pipeline_stages_replicas(stage):
+    assert run_on_ranks(4, zero_over_pipeline_replicas, stage, deadline_s=240) == [True] * 4

@@ -40,6 +40,7 @@ void bind_sharded(py::module_& module) {
       .def("will_sync", &ShardedCoordinator::will_sync)
       .def("pre_forward", &ShardedCoordinator::pre_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
+      .def("reduce_gradients", &ShardedCoordinator::reduce_gradients, py::call_guard<py::gil_scoped_release>())
       .def("gather_parameters", &ShardedCoordinator::gather_parameters, py::call_guard<py::gil_scoped_release>())
       .def("clip_grad_norm", &ShardedCoordinator::clip_grad_norm, py::arg("max_norm"), py::arg("norm_type") = 2.0,
            py::call_guard<py::gil_scoped_release>())

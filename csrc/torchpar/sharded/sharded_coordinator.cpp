@@ -275,6 +275,17 @@ void ShardedCoordinator::finish_backward() {
   }
 }
 
+void ShardedCoordinator::reduce_gradients() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(options_.stage() <= 2, "ShardedDataParallel: reduce_gradients() is for stages 1 and 2, whose "
+              "parameters stay whole; stage 3 gathers them around the forward it runs");
+  TORCH_CHECK(!armed_ && in_flight_.empty(), "ShardedDataParallel: reduce_gradients() during a synchronised "
+              "backward, which reduces the gradients itself");
+  bytes_sent_ = 0;
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) launch(b);
+  while (!in_flight_.empty()) complete_oldest();
+}
+
 void ShardedCoordinator::gather_parameters() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (options_.stage() == 3) {

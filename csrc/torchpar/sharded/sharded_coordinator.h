@@ -52,6 +52,10 @@ class ShardedCoordinator {
   bool will_sync() const;
   // Before each forward: buffers from rank 0 (when synchronising), and the gradient hooks armed or not.
   void pre_forward(bool will_sync);
+  // Stages 1-2: the gradients accumulated in the parameters by backward passes run outside the wrapper's forward
+  // (a pipeline stage's micro-batches, say) reduce-scattered into the shard's gradient now, bucket by bucket, as
+  // a synchronised backward does while it runs. Collective.
+  void reduce_gradients();
   // After the optimizer stepped shard(): every rank's pieces all-gathered into the parameters.
   void gather_parameters();
   // The gradient norm over every rank's shard (as torch::nn::utils::clip_grad_norm_ over the whole model's

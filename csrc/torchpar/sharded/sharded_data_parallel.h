@@ -78,6 +78,10 @@ class ShardedDataParallel {
     if (coordinator_->stage() == 3) coordinator_->release_all();
   }
 
+  // Stages 1-2: gradients that backward passes outside this wrapper's forward accumulated (a pipeline stage's
+  // micro-batches) reduce-scattered into the shard now; then optimizer.step(). Collective.
+  void reduce_gradients() { coordinator_->reduce_gradients(); }
+
   NoSyncGuard no_sync() { return NoSyncGuard(*coordinator_); }
   ModuleHolder& module() { return module_; }
   ShardedCoordinator& coordinator() { return *coordinator_; }
