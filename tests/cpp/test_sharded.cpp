@@ -68,6 +68,15 @@ torch::nn::Sequential network() {
   return torch::nn::Sequential(torch::nn::Linear(5, 7), torch::nn::Tanh(), torch::nn::Linear(7, 3));
 }
 
+void check_same_parameters(torch::nn::Sequential& ours, torch::nn::Sequential& expected, int stage) {
+  const auto got = ours->parameters();
+  const auto want = expected->parameters();
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("stage " << stage << " parameter " << i);
+    CHECK(at::allclose(got[i], want[i], 1e-5, 1e-6));
+  }
+}
+
 } // namespace
 
 TEST_CASE("sharded: stages 1, 2 and 3 train a LibTorch module as one process does on the global batch", "[sharded]") {
@@ -105,12 +114,7 @@ TEST_CASE("sharded: stages 1, 2 and 3 train a LibTorch module as one process doe
         }
         sharded.unshard();
       }
-      const auto ours = sharded.module()->parameters();
-      const auto expected = reference->parameters();
-      for (size_t i = 0; i < ours.size(); ++i) {
-        INFO("stage " << stage << " parameter " << i);
-        CHECK(at::allclose(ours[i], expected[i], 1e-5, 1e-6));
-      }
+      check_same_parameters(sharded.module(), reference, stage);
     }
   });
 }
@@ -133,12 +137,7 @@ TEST_CASE("sharded: gradients of a backward run outside the wrapper are reduced 
       }
       sharded.reduce_gradients();
       optimizer.step();
-      const auto ours = sharded.module()->parameters();
-      const auto expected = reference->parameters();
-      for (size_t i = 0; i < ours.size(); ++i) {
-        INFO("stage " << stage << " parameter " << i);
-        CHECK(at::allclose(ours[i], expected[i], 1e-5, 1e-6));
-      }
+      check_same_parameters(sharded.module(), reference, stage);
     }
     ShardedDataParallel stage3(network(), ShardedOptions().process_group(pg).stage(3));
     CHECK_THROWS_WITH(stage3.reduce_gradients(), Catch::Matchers::Contains("for stages 1 and 2"));
