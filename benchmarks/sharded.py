@@ -35,6 +35,10 @@ view, empty for a stage-3 unit between steps, plus ShardedDataParallel's flat sh
 largest over the ranks, beside the ZeRO paper's prediction for Ψ parameters on N ranks in fp32 (DDP: state 2Ψ,
 gradients Ψ, parameters Ψ; stage 1: 2Ψ/N, Ψ, Ψ; stage 2: 2Ψ/N, Ψ/N, Ψ; stage 3 and FSDP2: 2Ψ/N, Ψ/N, Ψ/N; × 4
 bytes, padding aside); and each rank process's peak resident set over the whole run (ru_maxrss), as a reference.
+The peak allocated is the allocator's view (torchpar.allocator counts every CPU tensor allocation): what the variant
+allocated through its build and warm-up and still holds (parameters, optimizer state, a wrapper's buckets, flat
+shard and communication buffers) plus the most that measured step allocated on top — the variant's peak on a
+rank, the largest over the ranks.
 Then every variant's parameters are checked to be identical on all ranks, and each stage's bytes_sent_last_step
 against DDP's ring all-reduce, 2 (N-1)/N Ψ × 4: stages 1 and 2 exactly the ring's reduce-scatter and all-gather
 of the padded parameters, stage 3 1.5x within 5%.
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import pathlib
@@ -230,7 +235,22 @@ def check_in_sync(variant: Variant, control, world: int) -> None:
                            f"{sorted(apart)} differ from rank 0's (by up to {max(apart.values()):.3g})")
 
 
+def release_retained(groups: dict) -> None:
+    """An shm group keeps its last queued op's tensors until its next op (its thread may not drop what Python
+    owns); a tiny all-reduce on each (the Gloo group's shm one beside it included) releases them, so that what
+    one variant left there is not counted as another's."""
+    from torchpar.same_host import shm_group_beside
+
+    beside = shm_group_beside(groups["gloo"], torch.device("cpu"))
+    for group in [groups["shm"]] + ([beside] if beside is not None else []):  # in one order on every rank
+        dist.all_reduce(torch.zeros(1), group=group)
+    gc.collect()
+
+
 def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
+    from torchpar import allocator
+
+    allocator.count_cpu_allocations()  # the allocator's view of each variant's peak (the module's docstring)
     control, groups = join_world(rank, world, port)
     backends, rounds = config["backends"], config["rounds"]
     torch.manual_seed(0)
@@ -251,6 +271,8 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
             # Built, then warmed up, each phase agreed by all ranks, so that a rank whose build failed does not
             # leave the others in the warm-up's collectives (a failure inside a collective may still hang).
             variant, reason = None, None
+            release_retained(groups)
+            allocated_before = allocator.cpu_memory_allocated()
             for phase in ("build", "warm-up"):
                 error = None
                 try:
@@ -266,6 +288,8 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
                 if reason is not None:
                     break
             if reason is None:
+                gc.collect()
+                variant.persistent_bytes = allocator.cpu_memory_allocated() - allocated_before
                 unit.append(variant)
             else:
                 not_run[(backend, name)] = reason
@@ -292,12 +316,19 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
         progress.close()
     # What each rank holds: gradients alive after backward, then the optimizer state and the parameters after
     # the step.
-    memory, sent = {}, {}
+    memory, sent, peaks = {}, {}, {}
     for unit in units:
         for variant in unit:
+            release_retained(groups)
+            variant.step()  # what its last op keeps, as between its own steps (its persistent bytes hold it too)
+            gc.collect()
+            before_step = allocator.cpu_memory_allocated()
+            allocator.reset_cpu_peak_memory()
             variant.forward_backward()
             gradients = variant.gradient_bytes()
             variant.optimizer.step()
+            peaks[(variant.backend, variant.name)] = per_rank(control, world, [
+                variant.persistent_bytes + allocator.cpu_max_memory_allocated() - before_step])
             if variant.sharded:  # read now: gathering the parameters whole below would add to it
                 sent[(variant.backend, variant.name)] = variant.model.bytes_sent_last_step
             memory[(variant.backend, variant.name)] = per_rank(
@@ -325,7 +356,9 @@ def rank_main(rank: int, world: int, port: int, config: dict, results) -> None:
                        steps_per_round=variant.steps,
                        state_bytes=max(h[0] for h in held), gradient_bytes=max(h[1] for h in held),
                        parameter_bytes=max(h[2] for h in held),
-                       state_bytes_per_rank=[h[0] for h in held], gradient_bytes_per_rank=[h[1] for h in held])
+                       state_bytes_per_rank=[h[0] for h in held], gradient_bytes_per_rank=[h[1] for h in held],
+                       peak_allocated_bytes=max(p[0] for p in peaks[(backend, name)]),
+                       peak_allocated_bytes_per_rank=[p[0] for p in peaks[(backend, name)]])
             for key, reference in (("ratio_to_anchor", ANCHOR), ("ratio_to_ddp", DDP), ("ratio_to_fsdp2", FSDP2),
                                    ("ratio_to_fsdp2_reshard", FSDP2_RESHARD)):
                 if reference in by_name:
@@ -358,18 +391,20 @@ def fsdp2_alike(variant: str) -> tuple[str, str]:
 def table(rows: list[dict]) -> str:
     # Only the ratio columns' headers hold a "/": python -m torchpar.bench compares those between reports.
     lines = ["| ranks | backend | variant | steps per s | /torch ZeRO+DDP | /torchpar DDP | /torch FSDP2 alike "
-             "| optimizer state MiB (predicted) | gradients MiB (predicted) | parameters MiB (predicted) |",
-             "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| optimizer state MiB (predicted) | gradients MiB (predicted) | parameters MiB (predicted) "
+             "| peak allocated MiB |",
+             "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         head = f"| {r['world']} | {r['backend']} | {r['variant']} "
         if "not_run" in r:
-            lines.append(head + f"| not run: {r['not_run'].replace('|', '/')} | — | — | — | — | — | — |")
+            lines.append(head + f"| not run: {r['not_run'].replace('|', '/')} | — | — | — | — | — | — | — |")
             continue
         alike = ratio(r, fsdp2_alike(r["variant"])[1]) if r["variant"] in STAGES else "—"
         lines.append(head + f"| {r['steps_per_s']:.2f} | {ratio(r, 'ratio_to_anchor')} | {ratio(r, 'ratio_to_ddp')} "
                      f"| {alike} | {mib(r['state_bytes'])} ({mib(r['predicted_state_bytes'])}) "
                      f"| {mib(r['gradient_bytes'])} ({mib(r['predicted_gradient_bytes'])}) "
-                     f"| {mib(r['parameter_bytes'])} ({mib(r['predicted_parameter_bytes'])}) |")
+                     f"| {mib(r['parameter_bytes'])} ({mib(r['predicted_parameter_bytes'])}) "
+                     f"| {mib(r['peak_allocated_bytes'])} |")
     return "\n".join(lines)
 
 

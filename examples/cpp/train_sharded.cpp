@@ -11,7 +11,7 @@
 // + 4S, where S (Ψ/N plus each bucket's padding to a multiple of N) is the rank's shard, which this engine keeps
 // as a flat fp32 copy the optimizer steps (4S) and, at stage 1, whose averaged gradient it keeps beside every
 // parameter's local one (4S); stage 3 16Ψ/N, padded 16S with each Linear layer a unit and the parameters no more
-// than the shard between steps (during the forward and backward, the layer at work and the next one's prefetched gather beside it).
+// than the shard between steps (during the forward and backward, the layer at work gathered beside it).
 // Rank 0 prints which fit --memory-per-rank; a stage that does not fit exits 2 with the message on stderr. Otherwise the program trains, counts the bytes of the tensors the rank holds after its
 // last step (parameters and their gradients, the shard and its gradient, Adam's state; a storage once) and
 // prints them beside the prediction, ending with one line:

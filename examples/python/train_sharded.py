@@ -33,8 +33,7 @@ shared counts once) and prints them next to the prediction, with one result line
 The prediction is the model state after a step. While backward runs, a bucket's gradients also live in a flat
 copy until its reduce-scatter ends (up to 3 buckets of --bucket-cap-mb at once), and at stage 2 a parameter's
 gradient lives until its bucket goes: a smaller --bucket-cap-mb lowers that transient peak. At stage 3 the layer
-running holds its gathered parameters and its gradients until they are reduce-scattered, beside the next
-layer's prefetched gather. Exit code: 0; 1
+running holds its gathered parameters and its gradients until they are reduce-scattered. Exit code: 0; 1
 when the accuracy is below 95% or the measured state exceeds the cap; 2 for a wrong launch, missing data or a
 stage that does not fit.
 """

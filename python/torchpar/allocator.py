@@ -8,6 +8,11 @@ kept; and how fast a step ran depended on what the process had allocated before 
 :func:`keep_freed_memory` fixes both limits, as ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` would
 at launch (C++ programs: set those two variables). The cost: up to ``trim_threshold`` bytes of freed memory stay
 resident.
+
+LibTorch keeps no count of CPU tensor memory (``torch.cuda.max_memory_allocated`` has no CPU counterpart):
+:func:`count_cpu_allocations` installs one around its CPU allocator, and :func:`cpu_memory_allocated`,
+:func:`cpu_max_memory_allocated` and :func:`reset_cpu_peak_memory` read it — the allocator's view of what a rank
+holds, beside its resident set.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import ctypes.util
 import logging
 import os
 import platform
+
+from . import _C
 
 logger = logging.getLogger("torchpar.allocator")
 
@@ -38,3 +45,23 @@ def keep_freed_memory(mmap_threshold: int = LARGEST_MMAP_THRESHOLD, trim_thresho
     if not taken:
         logger.warning("glibc refused the allocator limits (mmap %d, trim %d bytes)", mmap_threshold, trim_threshold)
     return taken
+
+
+def count_cpu_allocations() -> None:
+    """From now on, CPU tensor allocations are counted (tensors allocated before are not). Idempotent."""
+    _C.memory.count_cpu_allocations()
+
+
+def cpu_memory_allocated() -> int:
+    """Bytes of CPU tensor memory allocated since :func:`count_cpu_allocations` and not yet freed."""
+    return _C.memory.cpu_allocations()[0]
+
+
+def cpu_max_memory_allocated() -> int:
+    """The most :func:`cpu_memory_allocated` was since counting began or :func:`reset_cpu_peak_memory`."""
+    return _C.memory.cpu_allocations()[1]
+
+
+def reset_cpu_peak_memory() -> None:
+    """The peak set to what is allocated now."""
+    _C.memory.reset_cpu_allocation_peak()

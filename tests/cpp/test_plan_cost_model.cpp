@@ -108,9 +108,8 @@ TEST_CASE("plan: sharded data parallelism's stages on 2 ranks with known link co
   sharded.zero_stage = 3;
   const auto stage3 = plan::predict(model, net, batch_of(8), sharded);
   CHECK(stage3.step_ms == Approx(18));
-  // The shard, its gradient and momentum (6 MiB), the layer at work gathered with its gradient and the next
-  // layer's prefetched gather (3 x 2 MiB).
-  CHECK(stage3.memory_per_rank == 12 * kMiB + 800);
+  // The shard, its gradient and momentum (6 MiB), the layer at work gathered with its gradient (2 x 2 MiB).
+  CHECK(stage3.memory_per_rank == 10 * kMiB + 800);
   CHECK(stage3.bytes_per_step == 6 * kMiB);  // 1.5x DDP's
   // Beside a same-host Gloo group, through the shm group DDP's buckets use: half its all-reduce each (0.5 ms +
   // 0.5 ms per MiB here, against 1 ms per MiB through the group): 2 + 4 + 4 x 1.5.

@@ -23,7 +23,8 @@ def row(world, backend, variant, steps, to_anchor=None, to_ddp=None, state=None,
                 peak_rss_bytes=900 * MiB, peak_rss_bytes_per_rank=[900 * MiB, 850 * MiB],
                 steps_per_s=steps, state_bytes=state_predicted if state is None else state,
                 gradient_bytes=gradients_predicted if gradients is None else gradients,
-                parameter_bytes=parameters_predicted if held is None else held, **extra)
+                parameter_bytes=parameters_predicted if held is None else held, peak_allocated_bytes=12 * MiB)
+    made.update(extra)
     if to_anchor is not None:
         made["ratio_to_anchor"] = to_anchor
     if to_ddp is not None:
@@ -104,13 +105,14 @@ def test_tables_show_memory_against_the_prediction_and_the_bytes_check():
     # Stage 1 on 2 ranks: state Ψ of 2Ψ x 4 bytes / 2 = 3.81 MiB as predicted; gradients 5.72 MiB against 3.81.
     # Parameters: Ψ x 4 bytes whole = 3.81 MiB; stage 3 holds half, plus 80 kB.
     assert ("| 2 | shm | torchpar stage 1 | 12.20 | 1.22 | 0.97 | 1.30 | 3.81 (3.81) | 5.72 (3.81) "
-            "| 3.81 (3.81) |") in table
-    assert "| 2 | shm | torchpar DDP | 12.50 | 1.25 | 1.00 | — | 7.63 (7.63) | 3.81 (3.81) | 3.81 (3.81) |" in table
+            "| 3.81 (3.81) | 12.00 |") in table
+    assert ("| 2 | shm | torchpar DDP | 12.50 | 1.25 | 1.00 | — | 7.63 (7.63) | 3.81 (3.81) | 3.81 (3.81) "
+            "| 12.00 |") in table
     assert ("| 2 | shm | torchpar stage 3 | 8.00 | 0.80 | 0.64 | 1.25 | 3.81 (3.81) | 1.91 (1.91) "
-            "| 1.98 (1.91) |") in table
+            "| 1.98 (1.91) | 12.00 |") in table
     # A variant not run says why, without breaking the table's columns.
     assert ("| 2 | shm | torch FSDP2 | not run: rank 1: RuntimeError: no reduce_scatter / here "
-            "| — | — | — | — | — | — |") in table
+            "| — | — | — | — | — | — | — |") in table
     sent = sharded.sent_bytes_table(rows)
     assert ("| 2 | shm | torchpar stage 1 | 4,000,008 | 4,000,000 | 1.000 | 4,000,008 bytes (padded) | yes |"
             in sent)

@@ -11,6 +11,7 @@ namespace torchpar::bindings {
 void bind_checkpoint(pybind11::module_& module);
 void bind_comm(pybind11::module_& module);
 void bind_ddp(pybind11::module_& module);
+void bind_memory(pybind11::module_& module);
 void bind_pipeline(pybind11::module_& module);
 void bind_plan(pybind11::module_& module);
 void bind_ps(pybind11::module_& module);

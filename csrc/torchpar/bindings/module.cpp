@@ -19,6 +19,7 @@ PYBIND11_MODULE(_C, module) {
   torchpar::bindings::bind_checkpoint(module);
   torchpar::bindings::bind_comm(module);
   torchpar::bindings::bind_ddp(module);
+  torchpar::bindings::bind_memory(module);
   torchpar::bindings::bind_pipeline(module);
   torchpar::bindings::bind_plan(module);
   torchpar::bindings::bind_ps(module);

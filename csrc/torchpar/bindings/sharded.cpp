@@ -17,7 +17,7 @@ void bind_sharded(py::module_& module) {
                        c10::intrusive_ptr<c10d::ProcessGroup> process_group, int stage, double bucket_cap_mb,
                        bool broadcast_buffers, std::optional<at::ScalarType> param_dtype,
                        std::optional<at::ScalarType> reduce_dtype, std::vector<std::string> units,
-                       bool reshard_after_forward, bool prefetch) {
+                       bool reshard_after_forward, std::optional<bool> prefetch) {
              return std::make_unique<ShardedCoordinator>(std::move(parameters), std::move(buffers),
                                                          sharded::ShardedOptions()
                                                              .process_group(std::move(process_group))
@@ -33,7 +33,7 @@ void bind_sharded(py::module_& module) {
            py::arg("parameters"), py::arg("buffers"), py::arg("process_group"), py::arg("stage"),
            py::arg("bucket_cap_mb"), py::arg("broadcast_buffers"), py::arg("param_dtype") = py::none(),
            py::arg("reduce_dtype") = py::none(), py::arg("units") = std::vector<std::string>{},
-           py::arg("reshard_after_forward") = true, py::arg("prefetch") = true, py::call_guard<py::gil_scoped_release>())
+           py::arg("reshard_after_forward") = true, py::arg("prefetch") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shard", &ShardedCoordinator::shard)
       .def_property_readonly("stage", &ShardedCoordinator::stage)
       .def_property("grad_sync", &ShardedCoordinator::grad_sync, &ShardedCoordinator::set_grad_sync)

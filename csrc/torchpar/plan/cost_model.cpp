@@ -623,12 +623,12 @@ Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& idle
   prediction.step_ms = step.forward_ms + step.finish_ms + gather_ms + setup.optimizer_ms_per_byte * shard +
                        calibration.per_step_ms;
   // The shard (its flat copy: the optimizer's parameters), its averaged gradient and the optimizer's state on it;
-  // stages 1-2 also the whole parameters, stage 1 their local gradients; stage 3 the layer at work, gathered, its
-  // gradients and the next layer's prefetched gather. Then the activations of the rank's samples.
+  // stages 1-2 also the whole parameters, stage 1 their local gradients; stage 3 the layer at work, gathered, and
+  // its gradients (CPU ranks prefetch no next layer). Then the activations of the rank's samples.
   double state = shard * (2 + setup.optimizer_state_factor);
   if (stage <= 2) state += parameters;
   if (stage == 1) state += parameters;
-  if (stage == 3) state += 3 * static_cast<double>(largest_layer);
+  if (stage == 3) state += 2 * static_cast<double>(largest_layer);
   prediction.memory_per_rank = static_cast<int64_t>(state) +
                                activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
   // A ring reduce-scatter and all-gather (DDP's all-reduce); stage 3 gathers twice.

@@ -29,8 +29,9 @@ struct ShardedOptions {
   TORCH_ARG(bool, reshard_after_forward) = true;
   // Stage 3: the next unit's all-gather started as soon as the current unit's is done (the unit after it in
   // forward, the one before it in backward), so it moves while this one computes; one more unit gathered at a
-  // time. Ranks must agree.
-  TORCH_ARG(bool, prefetch) = true;
+  // time. Unset: on for CUDA parameters, off for CPU ones, where it bought 3-5% for a unit more at peak
+  // (docs/sharded.md). Ranks must agree.
+  TORCH_ARG(std::optional<bool>, prefetch) = std::nullopt;
   // Gradient bytes per reduce-scatter (and per all-gather of the updated parameters); stages 1 and 2.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   // Rank 0's buffers (BatchNorm's running statistics) copied to every rank before each synchronised forward,

@@ -100,6 +100,7 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
   const at::Device device = parameters_.front().device();
   check_same_model(group, distinct, buffers_, device, "ShardedDataParallel");
   peers_ = PeerProcesses::gather(group, device);
+  prefetch_ = options_.prefetch().value_or(device.is_cuda());
   {
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> state;
@@ -118,10 +119,13 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
                 ? build_unit_layout(numels, dtypes, unit_of, units_, group.getSize())
                 : build_shard_layout(numels, dtypes, reverse_registration_order(parameters_.size()),
                                      static_cast<size_t>(options_.bucket_cap_mb() * (1 << 20)), group.getSize());
-  std::vector<at::Tensor> values;
-  for (const auto& parameter : parameters_) values.push_back(parameter.detach());
-  for (size_t shard = 0; shard < layout_.shards.size(); ++shard) {
-    shard_.push_back(shard_of(shard, values));
+  {
+    // Scoped: these aliases would keep the original storages alive beside the flat tensors made below.
+    std::vector<at::Tensor> values;
+    for (const auto& parameter : parameters_) values.push_back(parameter.detach());
+    for (size_t shard = 0; shard < layout_.shards.size(); ++shard) {
+      shard_.push_back(shard_of(shard, values));
+    }
   }
   for (auto& shard : shard_) shard.set_requires_grad(true);
   if (options_.param_dtype()) {
@@ -136,24 +140,28 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
       }
     }
   }
-  if (options_.stage() == 3) {
-    // Each bucket's parameters become views of one flat tensor (in the compute dtype), whose storage comes and
-    // goes; the values are in the shard meanwhile.
+  {
+    // Each bucket's parameters become views of one flat tensor (in the compute dtype), which the all-gather fills
+    // in place (no gathered copy to allocate, copy out and free). At stage 3 its storage comes and goes, the values
+    // being in the shard meanwhile.
     at::NoGradGuard no_grad;
-    for (const auto& bucket : layout_.buckets) {
-      auto flat = at::zeros({bucket.padded_numel}, shard_.front().options().dtype(compute_dtype(bucket.dtype))
-                                                       .requires_grad(false));
+    const bool sharded_parameters = options_.stage() == 3;
+    for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+      const auto& bucket = layout_.buckets[b];
+      const auto options = shard_.front().options().dtype(compute_dtype(bucket.dtype)).requires_grad(false);
+      auto flat = sharded_parameters ? at::empty({bucket.padded_numel}, options)
+                                     : at::zeros({bucket.padded_numel}, options);
       for (const auto& slot : bucket.slots) {
         auto& parameter = parameters_[slot.parameter];
         auto view = flat.narrow(0, slot.offset, slot.numel).view(parameter.sizes());
-        view.copy_(parameter.detach());
-        parameter.set_data(view);
+        if (!sharded_parameters) view.copy_(parameter.detach());  // stage 3's values are in the shard
+        parameter.set_data(view);  // the original storage is freed here
       }
       unsharded_.push_back(flat);
       gathered_.push_back(true);
       gathering_.emplace_back();
+      if (sharded_parameters) release_bucket(b);  // one bucket allocated at a time while they are made
     }
-    for (size_t b = 0; b < layout_.buckets.size(); ++b) release_bucket(b);
   }
   ready_.assign(parameters_.size(), false);
   pending_.assign(layout_.buckets.size(), 0);
@@ -211,6 +219,9 @@ void ShardedCoordinator::launch_ready_buckets() {
 }
 
 void ShardedCoordinator::launch(size_t index) {
+  if (options_.stage() == 3) {
+    release_bucket(index);  // its backward is done: every gradient it computes has arrived; freed before the copy
+  }
   const auto& bucket = layout_.buckets[index];
   auto& group = *options_.process_group();
   const auto& first = parameters_[bucket.slots.front().parameter];
@@ -234,9 +245,6 @@ void ShardedCoordinator::launch(size_t index) {
     filled = slot.offset + slot.numel;
   }
   input.narrow(0, filled, bucket.padded_numel - filled).zero_();
-  if (options_.stage() == 3) {
-    release_bucket(index);  // its backward is done: every gradient it computes has arrived
-  }
   at::Tensor output = at::empty({bucket.piece_numel}, input.options());
   auto work = reduce_scatter(group, output, input);
   bytes_sent_ += bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(input.element_size());
@@ -293,15 +301,9 @@ void ShardedCoordinator::gather_parameters() {
     for (size_t b = 0; b < layout_.buckets.size(); ++b) release_bucket(b);
     return;
   }
-  at::NoGradGuard no_grad;
-  for (const auto& bucket : layout_.buckets) {
-    const auto& shard = shard_[layout_.shard_index(bucket.dtype)];
-    at::Tensor gathered = at::empty({bucket.padded_numel}, shard.options().dtype(compute_dtype(bucket.dtype)));
-    bytes_sent_ += all_gather_bucket(bucket, shard, gathered);
-    for (const auto& slot : bucket.slots) {
-      auto parameter = parameters_[slot.parameter].detach();
-      parameter.copy_(gathered.narrow(0, slot.offset, slot.numel).view_as(parameter));
-    }
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    const auto& bucket = layout_.buckets[b];
+    bytes_sent_ += all_gather_bucket(bucket, shard_[layout_.shard_index(bucket.dtype)], unsharded_[b]);
   }
 }
 
@@ -434,7 +436,7 @@ void ShardedCoordinator::gather_bucket(size_t index) {
 }
 
 void ShardedCoordinator::prefetch(int unit) {
-  if (options_.prefetch() && unit >= 1 && unit < units_) for_buckets_of(unit, &ShardedCoordinator::start_gather);
+  if (prefetch_ && unit >= 1 && unit < units_) for_buckets_of(unit, &ShardedCoordinator::start_gather);
 }
 
 void ShardedCoordinator::release_bucket(size_t index) {

@@ -135,7 +135,8 @@ class ShardedCoordinator {
   ShardLayout layout_;
   std::vector<at::Tensor> shard_;
   int units_ = 1;
-  std::vector<at::Tensor> unsharded_;  // stage 3: per bucket, the flat tensor its parameters view
+  bool prefetch_ = false;  // ShardedOptions::prefetch, resolved for the parameters' device
+  std::vector<at::Tensor> unsharded_;  // per bucket, the flat tensor its parameters view (stage 3: when gathered)
   std::vector<bool> gathered_;                      // its storage allocated (its all-gather perhaps in flight)
   std::vector<std::optional<Gathering>> gathering_;  // its all-gather in flight
   std::unique_ptr<GradientReadyHooks> hooks_;
