@@ -14,9 +14,10 @@
 // than the shard between steps (during the forward and backward, the layer at work gathered beside it).
 // Rank 0 prints which fit --memory-per-rank; a stage that does not fit exits 2 with the message on stderr. Otherwise the program trains, counts the bytes of the tensors the rank holds after its
 // last step (parameters and their gradients, the shard and its gradient, Adam's state; a storage once) and
-// prints them beside the prediction, ending with one line:
+// prints them beside the prediction, ending with one line whose last figure is the allocator's peak during
+// training (torchpar::cpu_allocations: the state plus what a step adds; the cap bounds the state, not this peak):
 //   train_sharded: 4 ranks, stage 2, model state 33.2 MiB per rank (predicted 33.2, DDP would hold 66.4,
-//   cap 48.0), 4 epochs in 9.34 s, test accuracy 98.1%
+//   cap 48.0), 4 epochs in 5.55 s, test accuracy 98.1%, peak allocated 82.2 MiB
 // Exit status 1 when the accuracy is below 95% or the measured state exceeds the cap.
 #include <unistd.h>
 
@@ -33,6 +34,8 @@
 #include <string>
 #include <unordered_set>
 #include <vector>
+
+#include <torchpar/common/cpu_allocations.h>
 
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/index_select.h>
@@ -182,6 +185,9 @@ int main(int argc, char** argv) {
   const int rank = group->getRank();
   const int world = group->getSize();
 
+  // The allocator's view of the peak: every CPU tensor allocation from here on is counted.
+  torchpar::count_cpu_allocations();
+  const int64_t allocated_before = torchpar::cpu_allocations().current;
   torch::manual_seed(0);
   const int64_t hidden = arguments.hidden;
   torch::nn::Sequential model(torch::nn::Linear(64, hidden), torch::nn::ReLU(), torch::nn::Linear(hidden, hidden),
@@ -272,6 +278,8 @@ int main(int argc, char** argv) {
     }
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::vector<at::Tensor> peak{at::tensor({torchpar::cpu_allocations().peak - allocated_before}, at::kLong)};
+  group->allreduce(peak, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
   if (rank == 0 && ::isatty(2)) std::cerr << std::endl;
 
   // What the rank holds after its last step, before the next zero_grad: the most it holds between steps.
@@ -318,7 +326,7 @@ int main(int argc, char** argv) {
               << " MiB per rank (predicted " << mib(chosen.bytes) << ", DDP would hold " << mib(predicted[0].bytes)
               << ", cap " << mib(cap) << "), " << arguments.epochs << " epochs in " << std::fixed
               << std::setprecision(2) << seconds << " s, test accuracy " << std::setprecision(1) << 100 * accuracy
-              << "%" << std::endl;
+              << "%, peak allocated " << mib(static_cast<double>(peak[0].item<int64_t>())) << " MiB" << std::endl;
     if (accuracy < kTargetAccuracy) std::cerr << "train_sharded: below the 95% this example should reach" << std::endl;
     if (measured > cap) std::cerr << "train_sharded: the model state measured exceeds the cap" << std::endl;
   }
