@@ -1,6 +1,7 @@
 // Umbrella header for C++ applications: #include <torchpar/torchpar.h>
 #pragma once
 #include <torchpar/common/checkpointer.h>
+#include <torchpar/common/cpu_allocations.h>
 #include <torchpar/comm/core_binding.h>
 #include <torchpar/comm/launch_error.h>
 #include <torchpar/comm/process_group.h>

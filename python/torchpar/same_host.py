@@ -1,6 +1,7 @@
 """An shm group beside a Gloo group whose ranks share this host, for the data-parallel gradients' traffic."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from typing import Any
@@ -13,6 +14,10 @@ from . import _C
 logger = logging.getLogger("torchpar")
 
 _SHM_GROUPS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+# Let go of them while the interpreter is whole: a group destroy_process_group dropped would otherwise live here
+# until finalization, where Gloo's threads dropping tensors can abort the process (pytorch#179291's "terminate
+# called without an active exception"; train_sharded.py ended so once in a full test run).
+atexit.register(_SHM_GROUPS.clear)
 
 
 def shm_group_beside(process_group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | None:

@@ -1,6 +1,7 @@
 // torchpar/common/ alone, in-process: the helpers comm/ and every strategy share.
 #include "catch_with_torch.h"
 #include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
@@ -8,7 +9,9 @@
 
 #include <stdexcept>
 #include <string>
+#include <thread>
 
+#include <torchpar/common/cpu_allocations.h>
 #include <torchpar/common/error_message.h>
 #include <torchpar/common/flat_buffers.h>
 #include <torchpar/common/hash.h>
@@ -62,4 +65,24 @@ TEST_CASE("message_of gives what an exception says, without c10's backtrace", "[
   }
   CHECK(c10_message == "shape [2, 3] on rank 1");
   CHECK(torchpar::message_of(std::runtime_error("store timed out")) == "store timed out");
+}
+
+TEST_CASE("CPU allocations are counted to the byte once counting is on and on every thread", "[common]") {
+  auto before = at::empty({1000});  // allocated before counting: neither it nor its release counts
+  torchpar::count_cpu_allocations();
+  torchpar::count_cpu_allocations();  // idempotent
+  REQUIRE(torchpar::counting_cpu_allocations());
+  const int64_t start = torchpar::cpu_allocations().current;
+  torchpar::reset_cpu_allocation_peak();
+  {
+    auto four_mib = at::empty({1 << 20});
+    at::Tensor other_thread;
+    std::thread([&] { other_thread = at::empty({256}, at::kDouble); }).join();
+    CHECK(torchpar::cpu_allocations().current - start == (4 << 20) + 2048);
+    before.reset();
+  }
+  CHECK(torchpar::cpu_allocations().current == start);
+  CHECK(torchpar::cpu_allocations().peak - start == (4 << 20) + 2048);
+  torchpar::reset_cpu_allocation_peak();
+  CHECK(torchpar::cpu_allocations().peak == start);
 }
