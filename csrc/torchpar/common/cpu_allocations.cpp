@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -55,47 +56,54 @@ class CountingCpuAllocator final : public c10::Allocator {
 };
 
 std::mutex install_mutex;
-CountingCpuAllocator* installed = nullptr;  // never freed: tensors may be released through it at exit
+// Never freed: tensors may be released through it at exit. Atomic: any thread may release a tensor.
+std::atomic<CountingCpuAllocator*> installed{nullptr};
 
 void CountingCpuAllocator::release(void* data) {
   if (data == nullptr) return;
+  auto* counter = installed.load(std::memory_order_acquire);
   {
-    std::lock_guard<std::mutex> lock(installed->mutex_);
-    const auto found = installed->sizes_.find(data);
-    if (found != installed->sizes_.end()) {
-      installed->counts_.current -= static_cast<int64_t>(found->second);
-      installed->sizes_.erase(found);
+    std::lock_guard<std::mutex> lock(counter->mutex_);
+    const auto found = counter->sizes_.find(data);
+    if (found != counter->sizes_.end()) {
+      counter->counts_.current -= static_cast<int64_t>(found->second);
+      counter->sizes_.erase(found);
     }
   }
-  installed->underlying_->raw_deallocate(data);
+  counter->underlying_->raw_deallocate(data);
 }
 
 } // namespace
 
 void count_cpu_allocations() {
   std::lock_guard<std::mutex> lock(install_mutex);
-  if (installed != nullptr) return;
+  if (installed.load() != nullptr) return;
   auto* underlying = c10::GetCPUAllocator();
   TORCH_CHECK(underlying->raw_deleter() != nullptr, "count_cpu_allocations: LibTorch's CPU allocator has no raw "
               "interface to allocate through");
-  installed = new CountingCpuAllocator(underlying);
-  c10::SetCPUAllocator(installed, /*priority=*/UINT8_MAX);
-  TORCH_CHECK(c10::GetCPUAllocator() == installed, "count_cpu_allocations: LibTorch kept its CPU allocator");
+  auto* counter = new CountingCpuAllocator(underlying);
+  installed.store(counter, std::memory_order_release);  // before any tensor can be released through it
+  c10::SetCPUAllocator(counter, /*priority=*/UINT8_MAX);
+  if (c10::GetCPUAllocator() != counter) {  // another allocator of the highest priority: nothing went through ours
+    installed.store(nullptr);
+    TORCH_CHECK(false, "count_cpu_allocations: LibTorch kept its CPU allocator");
+  }
 }
 
 bool counting_cpu_allocations() {
-  std::lock_guard<std::mutex> lock(install_mutex);
-  return installed != nullptr;
+  return installed.load(std::memory_order_acquire) != nullptr;
 }
 
 CpuAllocations cpu_allocations() {
-  TORCH_CHECK(counting_cpu_allocations(), "cpu_allocations: call count_cpu_allocations() first");
-  return installed->counts();
+  auto* counter = installed.load(std::memory_order_acquire);
+  TORCH_CHECK(counter != nullptr, "cpu_allocations: call count_cpu_allocations() first");
+  return counter->counts();
 }
 
 void reset_cpu_allocation_peak() {
-  TORCH_CHECK(counting_cpu_allocations(), "reset_cpu_allocation_peak: call count_cpu_allocations() first");
-  installed->reset_peak();
+  auto* counter = installed.load(std::memory_order_acquire);
+  TORCH_CHECK(counter != nullptr, "reset_cpu_allocation_peak: call count_cpu_allocations() first");
+  counter->reset_peak();
 }
 
 } // namespace torchpar
