@@ -73,7 +73,7 @@ class ShardedDataParallel(nn.Module):
         for unit, name in enumerate(unit_names, start=1):
             _gather_around(module.get_submodule(name), self._coordinator, unit)
         if stage == 3:
-            _guard_reads(module, self._coordinator, unit_names, process_group.rank())
+            _guard_reads(module, self._coordinator, process_group.rank())
         # A state dict loaded into the model (through this wrapper, the module, or torch.distributed.checkpoint)
         # must reach the shards, which the optimizer steps and the next gather spreads.
         module.register_load_state_dict_pre_hook(self._before_load)
@@ -251,15 +251,13 @@ class _ShardedParameter(nn.Parameter):
                 "the ShardedDataParallel model's state_dict().")
 
 
-def _guard_reads(module: nn.Module, coordinator: Any, unit_names: list[str], rank: int) -> None:
+def _guard_reads(module: nn.Module, coordinator: Any, rank: int) -> None:
     """Stage 3: each trained parameter becomes a _ShardedParameter (same object, so autograd, the coordinator's
     hooks and the user's references still hold it) that knows its index and its unit."""
     for index, name in enumerate(coordinator.parameter_names):
         parameter = module.get_parameter(name)
-        unit = coordinator.unit_of(index)
-        unit_name = f"unit '{unit_names[unit - 1]}'" if unit > 0 else "the root unit, which no unit holds"
         parameter.__class__ = _ShardedParameter
-        parameter.__dict__["_torchpar_sharded"] = (coordinator, index, name, unit_name, rank)
+        parameter.__dict__["_torchpar_sharded"] = (coordinator, index, name, coordinator.unit_of(index), rank)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

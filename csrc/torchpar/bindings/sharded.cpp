@@ -66,7 +66,7 @@ void bind_sharded(py::module_& module) {
            py::call_guard<py::gil_scoped_release>())
       .def("before_unit_backward", &ShardedCoordinator::before_unit_backward, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>())
-      .def("unit_of", &ShardedCoordinator::unit_of, py::arg("parameter"))
+      .def("unit_of", &ShardedCoordinator::unit_of, py::arg("parameter"), "its unit, as errors name it")
       .def("parameter_gathered", &ShardedCoordinator::parameter_gathered, py::arg("parameter"))
       .def("gather_all", &ShardedCoordinator::gather_all, py::call_guard<py::gil_scoped_release>())
       .def("release_all", &ShardedCoordinator::release_all, py::call_guard<py::gil_scoped_release>())

@@ -495,9 +495,9 @@ void ShardedCoordinator::wait_naming_lost(c10d::Work& work, const std::string& w
   }
 }
 
-int ShardedCoordinator::unit_of(size_t parameter) const {
+std::string ShardedCoordinator::unit_of(size_t parameter) const {
   TORCH_CHECK(parameter < parameters_.size(), "ShardedDataParallel: no trained parameter ", parameter);
-  return std::max(layout_.buckets[layout_.location[parameter].first].unit, 0);
+  return describe(layout_.buckets[layout_.location[parameter].first]);
 }
 
 bool ShardedCoordinator::parameter_gathered(size_t parameter) const {

@@ -19,7 +19,6 @@
 #include <string>
 #include <vector>
 
-
 namespace c10d {
 class Work;
 } // namespace c10d
@@ -81,8 +80,11 @@ class ShardedCoordinator {
   void before_unit_forward(int unit);
   void after_unit_forward(int unit);
   void before_unit_backward(int unit);
-  // The unit of trained parameter `parameter`, and whether its values are there now (stages 1-2: always).
-  int unit_of(size_t parameter) const;
+  // Stage 3's unit names (ShardedOptions::units, as given or defaulted by the wrapper).
+  const std::vector<std::string>& unit_names() const { return options_.units(); }
+  // The unit of trained parameter `parameter` as errors name it ("unit 'layers.0'", "the root unit"), and
+  // whether its values are there now (stages 1-2: always).
+  std::string unit_of(size_t parameter) const;
   bool parameter_gathered(size_t parameter) const;
   // Every unit gathered (to read or save the whole model), and released again.
   void gather_all();

@@ -42,7 +42,7 @@ class ShardedDataParallel {
       : module_(std::move(module)),
         coordinator_(std::make_unique<ShardedCoordinator>(named_parameters_of(*module_), named_buffers_of(*module_),
                                                           with_default_units(options))),
-        child_units_(child_units(options)) {}
+        child_units_(child_units(coordinator_->stage(), coordinator_->unit_names())) {}
 
   // Stage 3: a Sequential whose units are its children gathers each unit just before the child's forward,
   // releases it after, and gathers it again when its output's gradient arrives (before the child's backward).
@@ -111,14 +111,13 @@ class ShardedDataParallel {
   }
 
   // Per child of a Sequential, its unit (0: none, in the root); empty where the units are not all children.
-  std::vector<int> child_units(const ShardedOptions& given) const {
+  std::vector<int> child_units(int stage, const std::vector<std::string>& unit_names) const {
     if constexpr (std::is_same_v<ModuleHolder, torch::nn::Sequential>) {
-      const auto options = with_default_units(given);
-      if (options.stage() != 3) return {};
+      if (stage != 3) return {};
       std::vector<int> units(module_->size(), 0);
       const auto children = module_->named_children();
-      for (size_t unit = 0; unit < options.units().size(); ++unit) {
-        const auto& name = options.units()[unit];
+      for (size_t unit = 0; unit < unit_names.size(); ++unit) {
+        const auto& name = unit_names[unit];
         size_t child = 0;
         while (child < children.size() && children[child].key() != name) ++child;
         if (child == children.size()) return {};  // a unit inside a child: gathered whole
