@@ -25,12 +25,11 @@ unit, here each Linear layer; the engine's Adam state and gradient are 8S and 4S
 logs which strategies fit --memory-per-rank. When the chosen stage does not, every rank exits with status 2
 and the message on stderr; otherwise it trains, counts the bytes of the tensors the rank holds after its last
 step (the parameters and any gradients on them, the shard and its gradient, the optimizer's state; a tensor
-shared counts once) and prints them next to the prediction, with one result line ending with the allocator's
-peak during training (torchpar.allocator's count: the state plus what a step adds, the gradients and their buckets
-in flight, a gathered layer; the cap bounds the state between steps, not this peak):
+shared counts once) and prints them next to the prediction, with one result line (the cap bounds this state
+between steps, not the peak during a step; the C++ program also prints the allocator's peak):
 
     train_sharded: 4 ranks, stage 2, model state 33.2 MiB per rank (predicted 33.2, DDP would hold 66.4,
-    cap 48.0), 4 epochs in 3.56 s, test accuracy 97.8%, peak allocated 74.4 MiB
+    cap 48.0), 4 epochs in 3.56 s, test accuracy 97.8%
 
 The prediction is the model state after a step. While backward runs, a bucket's gradients also live in a flat
 copy until its reduce-scatter ends (up to 3 buckets of --bucket-cap-mb at once), and at stage 2 a parameter's
@@ -183,9 +182,6 @@ def main() -> int:
     if not args.data.is_file():
         return refuse(rank, f"{args.data} not found; write it with `python3 scripts/export_digits.py`")
 
-    # The allocator's view of the peak: every CPU tensor allocation from here on is counted.
-    torchpar.allocator.count_cpu_allocations()
-    allocated_before = torchpar.allocator.cpu_memory_allocated()
     torch.manual_seed(args.seed)
     net = mlp(args.hidden)
     numels = [p.numel() for p in net.parameters()]
@@ -233,8 +229,6 @@ def main() -> int:
             loss_sum += loss.item()
         logger.info("epoch %d/%d  loss %.4f", epoch + 1, args.epochs, loss_sum / len(loader))
     seconds = time.perf_counter() - start
-    peak = torch.tensor([torchpar.allocator.cpu_max_memory_allocated() - allocated_before], dtype=torch.int64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
 
     # What the rank holds after its last step, before the next zero_grad: the most it holds between steps.
     held = held_bytes(net, model, optimizer)
@@ -250,8 +244,7 @@ def main() -> int:
     if rank == 0:
         print(f"train_sharded: {world} ranks, {chosen}, model state {measured / MiB:.1f} MiB per rank (predicted "
               f"{needed / MiB:.1f}, DDP would hold {predicted['DDP'][0] / MiB:.1f}, cap {cap / MiB:.1f}), "
-              f"{args.epochs} epochs in {seconds:.2f} s, test accuracy {100 * accuracy:.1f}%, peak allocated "
-              f"{int(peak) / MiB:.1f} MiB", flush=True)
+              f"{args.epochs} epochs in {seconds:.2f} s, test accuracy {100 * accuracy:.1f}%", flush=True)
         if accuracy < TARGET_ACCURACY:
             logger.error("below the %.0f%% this example should reach", 100 * TARGET_ACCURACY)
         if measured > cap:

@@ -236,8 +236,8 @@ def test_train_gpt_refuses_a_grid_that_does_not_fit(build_dir, language):
 
 
 SHARDED_RESULT = re.compile(r"train_sharded: (\d+) ranks, stage (\d), model state ([\d.]+) MiB per rank \(predicted "
-                            r"([\d.]+), DDP would hold ([\d.]+), cap ([\d.]+)\), .*test accuracy (\d+\.\d)%, peak "
-                            r"allocated ([\d.]+) MiB")
+                            r"([\d.]+), DDP would hold ([\d.]+), cap ([\d.]+)\), .*test accuracy (\d+\.\d)%"
+                            r"(?:, peak allocated ([\d.]+) MiB)?")
 # A 64-512-512-10 MLP (301,066 parameters) on 2 ranks: DDP + Adam would hold 4.6 MiB per rank, stage 1 as much
 # (its shard's copy and averaged gradient beside the local gradients), stage 2 3.4 MiB, stage 3 2.3 MiB.
 SHARDED_SMALL = ["--hidden", "512"]
@@ -264,13 +264,13 @@ def test_train_sharded_trains_under_a_cap_ddp_exceeds(build_dir, digits, free_po
     lines = SHARDED_RESULT.findall(result.stdout)
     assert len(lines) == 1, output  # rank 0 only
     ranks = int(lines[0][0])
-    measured, predicted, ddp, _, accuracy, peak = map(float, lines[0][2:])
+    measured, predicted, ddp, _, accuracy = map(float, lines[0][2:7])
     assert (ranks, int(lines[0][1]), float(lines[0][5])) == (2, stage, cap), lines[0]
     assert ddp > cap >= measured, lines[0]
     assert abs(measured - predicted) <= 0.1 * predicted, lines[0]
     assert accuracy >= 95.0, lines[0]
-    # The allocator's peak over training holds the model state and what a step adds (buckets, the layer at work).
-    assert peak > measured, lines[0]
+    if language == "cpp":  # the allocator's peak over training: the model state and what a step adds
+        assert lines[0][7] and float(lines[0][7]) > measured, lines[0]
     assert re.search(fits, output), output
 
 
