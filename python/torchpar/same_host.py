@@ -16,7 +16,7 @@ logger = logging.getLogger("torchpar")
 _SHM_GROUPS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 # Let go of them while the interpreter is whole: a group destroy_process_group dropped would otherwise live here
 # until finalization, where Gloo's threads dropping tensors can abort the process (pytorch#179291's "terminate
-# called without an active exception"; train_sharded.py ended so once in a full test run).
+# called without an active exception").
 atexit.register(_SHM_GROUPS.clear)
 
 
