@@ -52,6 +52,11 @@ def count_cpu_allocations() -> None:
     _C.memory.count_cpu_allocations()
 
 
+def counting_cpu_allocations() -> bool:
+    """Whether :func:`count_cpu_allocations` was called in this process."""
+    return _C.memory.counting_cpu_allocations()
+
+
 def cpu_memory_allocated() -> int:
     """Bytes of CPU tensor memory allocated since :func:`count_cpu_allocations` and not yet freed."""
     return _C.memory.cpu_allocations()[0]

@@ -92,14 +92,15 @@ def verified_table(path: pathlib.Path) -> list[list[str]]:
     if not path.exists():
         return []
     rows = json.loads(path.read_text())["verified"]
-    lines = ["| configuration | predicted ms | measured ms | error | calibrated ms | memory per rank predicted "
-             "| measured |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| configuration | predicted ms | measured ms | error | calibrated ms | resident per rank predicted "
+             "| measured | tensors per rank predicted | measured |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
         error = abs(row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
         lines.append(f"| {row['configuration']} | {row['predicted_ms']:.2f} | {row['measured_ms']:.2f} "
                      f"| {100 * error:.0f}% | {row['calibrated_ms']:.2f} | {row['predicted_memory'] / 2**20:.1f} MiB "
-                     f"| {row['measured_memory'] / 2**20:.1f} MiB |")
+                     f"| {row['measured_memory'] / 2**20:.1f} MiB | {row['predicted_tensor_memory'] / 2**20:.1f} MiB "
+                     f"| {row['measured_allocated'] / 2**20:.1f} MiB |")
     return [lines] if rows else []
 
 

@@ -1,6 +1,7 @@
 // torchpar._C.plan: the planner's profile, cost model and search under python/torchpar/plan.
 #include <torchpar/bindings/bindings.h>
 
+#include <torchpar/comm/shm/layout.h>
 #include <torchpar/plan/planner.h>
 #include <torchpar/plan/profile.h>
 
@@ -32,12 +33,14 @@ void bind_plan(py::module_& module) {
       .def_readwrite("sparse_parameter_bytes", &plan::LayerProfile::sparse_parameter_bytes)
       .def_readwrite("sparse_bytes_per_sample", &plan::LayerProfile::sparse_bytes_per_sample)
       .def_readwrite("in_features", &plan::LayerProfile::in_features)
-      .def_readwrite("out_features", &plan::LayerProfile::out_features);
+      .def_readwrite("out_features", &plan::LayerProfile::out_features)
+      .def_readwrite("backward_temporary_bytes", &plan::LayerProfile::backward_temporary_bytes);
   py::class_<plan::ModelProfile>(m, "ModelProfile")
       .def(py::init<>())
       .def_readwrite("batch", &plan::ModelProfile::batch)
       .def_readwrite("layers", &plan::ModelProfile::layers)
       .def_readwrite("contention", &plan::ModelProfile::contention)
+      .def_readwrite("heap_retention_bytes", &plan::ModelProfile::heap_retention_bytes)
       .def_property_readonly("parameter_bytes", &plan::ModelProfile::parameter_bytes)
       .def_property_readonly("compute_ms", &plan::ModelProfile::compute_ms)
       .def("scaled_to", &plan::ModelProfile::scaled_to, py::arg("pass_ms"));
@@ -49,6 +52,21 @@ void bind_plan(py::module_& module) {
       .def_readwrite("alpha_ms", &plan::LinkCost::alpha_ms)
       .def_readwrite("ms_per_byte", &plan::LinkCost::ms_per_byte)
       .def("milliseconds", &plan::LinkCost::milliseconds, py::arg("bytes"));
+  py::class_<plan::HostMemory>(m, "HostMemory")
+      .def(py::init<>())
+      .def_readwrite("process_overhead_bytes", &plan::HostMemory::process_overhead_bytes)
+      .def_readwrite("stage_ring_bytes", &plan::HostMemory::stage_ring_bytes)
+      .def_readwrite("shm_chunk_bytes", &plan::HostMemory::shm_chunk_bytes)
+      .def_readwrite("keeps_freed_memory", &plan::HostMemory::keeps_freed_memory);
+  py::class_<plan::MemoryLine>(m, "MemoryLine")
+      .def_readonly("what", &plan::MemoryLine::what)
+      .def_readonly("bytes", &plan::MemoryLine::bytes)
+      .def_readonly("tensor", &plan::MemoryLine::tensor);
+  py::class_<plan::MemoryBreakdown>(m, "MemoryBreakdown")
+      .def_readonly("lines", &plan::MemoryBreakdown::lines)
+      .def_property_readonly("tensor_bytes", &plan::MemoryBreakdown::tensor_bytes)
+      .def_property_readonly("total", &plan::MemoryBreakdown::total)
+      .def("render", &plan::MemoryBreakdown::render);
   py::class_<plan::NetworkProfile>(m, "NetworkProfile")
       .def(py::init<>())
       .def_readwrite("all_reduce", &plan::NetworkProfile::all_reduce)
@@ -59,7 +77,8 @@ void bind_plan(py::module_& module) {
       .def_readwrite("stage_transfer", &plan::NetworkProfile::stage_transfer)
       .def_readwrite("ddp_all_reduce", &plan::NetworkProfile::ddp_all_reduce)
       .def_readwrite("ddp_in_place", &plan::NetworkProfile::ddp_in_place)
-      .def_readwrite("ps_ring_bytes", &plan::NetworkProfile::ps_ring_bytes);
+      .def_readwrite("ps_ring_bytes", &plan::NetworkProfile::ps_ring_bytes)
+      .def_readwrite("host_memory", &plan::NetworkProfile::host_memory);
   py::class_<plan::Calibration>(m, "Calibration")
       .def(py::init<>())
       .def_readwrite("compute_scale", &plan::Calibration::compute_scale)
@@ -106,6 +125,8 @@ void bind_plan(py::module_& module) {
       .def_readonly("exposed_comm_ms", &plan::Prediction::exposed_comm_ms)
       .def_readonly("bubble_fraction", &plan::Prediction::bubble_fraction)
       .def_readonly("memory_per_rank", &plan::Prediction::memory_per_rank)
+      .def_readonly("tensor_memory_per_rank", &plan::Prediction::tensor_memory_per_rank)
+      .def_readonly("memory", &plan::Prediction::memory)
       .def_readonly("bytes_per_step", &plan::Prediction::bytes_per_step)
       .def_readonly("balance", &plan::Prediction::balance);
   py::class_<plan::Excluded>(m, "Excluded")
@@ -117,6 +138,7 @@ void bind_plan(py::module_& module) {
       .def_readonly("recommended_cpp", &plan::Plan::recommended_cpp)
       .def_readonly("recommended_python", &plan::Plan::recommended_python);
 
+  m.attr("SHM_CHUNK_BYTES") = static_cast<int64_t>(comm::shm::kChunkBytes);
   m.def("predict", &plan::predict, py::arg("model"), py::arg("network"), py::arg("setup"), py::arg("configuration"),
         py::arg("calibration") = plan::Calibration());
   m.def(

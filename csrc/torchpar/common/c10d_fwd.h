@@ -7,4 +7,5 @@ namespace c10d {
 class Backend;
 class ProcessGroup;
 class Store;
+class Work;
 } // namespace c10d

@@ -376,8 +376,10 @@ c10::intrusive_ptr<c10::ivalue::Future> Reducer::reduce_in_place(size_t bucket_i
   const auto launched_at = std::chrono::system_clock::now();
   c10d::AllreduceCoalescedOptions average;
   average.reduceOp = c10d::ReduceOp::AVG;
-  return traced(bucket_index, launched_at,
-                options_.data_process_group->allreduce_coalesced(tensors, average)->getFuture());
+  auto work = options_.data_process_group->allreduce_coalesced(tensors, average);
+  works_.resize(buckets_.size());
+  works_[bucket_index] = work;
+  return traced(bucket_index, launched_at, work->getFuture());
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Reducer::traced(size_t bucket_index,
@@ -408,12 +410,25 @@ c10::intrusive_ptr<c10::ivalue::Future> Reducer::communicate(size_t bucket_index
     TORCH_CHECK(future, "DistributedDataParallel: the communication hook returned no future for bucket ", bucket_index);
   } else {
     std::vector<at::Tensor> tensors{std::move(buffer)};
-    future = options_.data_process_group->allreduce(tensors)->getFuture();
+    auto work = options_.data_process_group->allreduce(tensors);
+    works_.resize(buckets_.size());
+    works_[bucket_index] = work;
+    future = work->getFuture();
   }
   return traced(bucket_index, launched_at, std::move(future));
 }
 
 at::Tensor Reducer::reduced_result(size_t bucket_index, const c10::intrusive_ptr<c10::ivalue::Future>& future) {
+  if (bucket_index < works_.size() && works_[bucket_index]) {
+    // Waited on as a work too: the shm backend then drops the op's hold on its tensors here (shm_work.h), where
+    // it would otherwise keep the last bucket's gradients until the next op, past zero_grad.
+    const auto work = std::move(works_[bucket_index]);
+    try {
+      work->wait();
+    } catch (const std::exception&) {
+      // the future, below, carries the error
+    }
+  }
   future->wait();
   if (future->hasError()) {
     const auto& bucket = buckets_[bucket_index];

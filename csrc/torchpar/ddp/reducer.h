@@ -153,6 +153,7 @@ class Reducer {
   bool in_place_capable_;     // the data group reduces coalesced tensors where they lie (shm)
 
   std::vector<Bucket> buckets_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;  // each bucket's op in flight, waited on in reduced_result
   std::vector<Location> locations_;
   std::mutex mutex_;  // autograd hooks, the final callback and the caller's thread
 

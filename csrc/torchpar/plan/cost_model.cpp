@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <sstream>
 
 namespace torchpar::plan {
@@ -132,6 +133,56 @@ OverlappedStep overlapped_step(const ModelProfile& model, int64_t samples, const
   }
   step.finish_ms = overlapped_finish_ms(bucket_ready, bucket_cost_ms, step.backward_ms, calibration.overlap);
   return step;
+}
+
+int64_t activation_bytes(const ModelProfile& model, int64_t samples, int64_t begin, int64_t end);
+
+int64_t all_activation_bytes(const ModelProfile& model, int64_t samples) {
+  return activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
+}
+
+int64_t largest_layer_parameters(const ModelProfile& model, int64_t begin = 0, int64_t end = -1) {
+  int64_t largest = 0;
+  if (end < 0) end = static_cast<int64_t>(model.layers.size());
+  for (int64_t layer = begin; layer < end; ++layer) {
+    largest = std::max(largest, model.layers[static_cast<size_t>(layer)].parameter_bytes);
+  }
+  return largest;
+}
+
+double largest(const std::vector<double>& values) {
+  return values.empty() ? 0.0 : *std::max_element(values.begin(), values.end());
+}
+
+// What glibc keeps of the blocks a rank re-makes each step, `remade_bytes` of gradients: at least one such block's
+// worth (zero_grad frees them, forward's allocations take their place, backward makes them anew higher up the heap:
+// measured, DDP of a 24 MiB embedding 27 MiB above its tensors, of a 7 MiB MLP 6 MiB), or the model's own share
+// where its training in one process measured more (activations re-made as well: a 0.5 MiB conv net kept 6 MiB).
+double retained(const ModelProfile& model, double remade_bytes) {
+  const auto whole = static_cast<double>(model.parameter_bytes());
+  const double share = whole > 0 ? static_cast<double>(model.heap_retention_bytes) * std::min(1.0, remade_bytes / whole)
+                                 : 0.0;
+  return std::max(remade_bytes, share);
+}
+
+// What layers [begin, end)'s backward temporaries add at `samples` above the activations, which the memory line
+// of the activations counts whole: backward runs from the last layer to the first, freeing each layer's
+// activations as it goes, so a layer's temporaries count only beyond the activations of the layers after it.
+double backward_temporaries(const ModelProfile& model, int64_t samples, int64_t begin = 0, int64_t end = -1) {
+  if (end < 0) end = static_cast<int64_t>(model.layers.size());
+  int64_t most = 0, freed = 0;
+  for (int64_t layer = end; layer-- > begin;) {
+    const auto& profile = model.layers[static_cast<size_t>(layer)];
+    most = std::max(most, at_samples(profile.backward_temporary_bytes, samples, model) - freed);
+    freed += at_samples(profile.activation_bytes, samples, model);
+  }
+  return static_cast<double>(most);
+}
+
+// memory_per_rank and tensor_memory_per_rank from the breakdown.
+void settle_memory(Prediction& prediction) {
+  prediction.memory_per_rank = prediction.memory.total();
+  prediction.tensor_memory_per_rank = prediction.memory.tensor_bytes();
 }
 
 int64_t activation_bytes(const ModelProfile& model, int64_t samples, int64_t begin, int64_t end) {
@@ -290,10 +341,23 @@ Prediction predict_data_parallel(const ModelProfile& model, const NetworkProfile
   prediction.exposed_comm_ms = step.finish_ms - step.backward_ms;
   prediction.step_ms = step.forward_ms + step.finish_ms + copy_ms_per_byte * static_cast<double>(parameters) +
                        setup.optimizer_ms_per_byte * static_cast<double>(parameters) + calibration.per_step_ms;
-  // Parameters, gradients, the buckets' flat copies of them, optimizer state; activations of its samples.
-  prediction.memory_per_rank = static_cast<int64_t>(static_cast<double>(parameters) *
-                                                    (2 + (world > 1) + setup.optimizer_state_factor)) +
-                               activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
+  // Parameters, gradients, the buckets' flat copies of them, optimizer state; activations of its samples; the
+  // pages of the shm group its buckets go through.
+  auto& memory = prediction.memory;
+  const auto whole = static_cast<double>(parameters);
+  memory.add("parameters", whole);
+  memory.add("gradients", whole);
+  if (world > 1) memory.add("DDP's gradient buckets", whole);
+  memory.add("optimizer state", whole * setup.optimizer_state_factor);
+  memory.add("activations", static_cast<double>(all_activation_bytes(model, samples)));
+  if (world > 1) {
+    memory.add("shm group's segment (DDP's buckets)",
+               static_cast<double>(shm_segment_pages(network.host_memory.shm_chunk_bytes, world, largest(step.bucket_bytes))),
+               false);
+  }
+  memory.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
+  add_host_lines(memory, network.host_memory, retained(model, whole));
+  settle_memory(prediction);
   prediction.bytes_per_step = world > 1 ? 2 * (world - 1) * parameters / world : 0;  // ring all-reduce
   prediction.samples_per_second = static_cast<double>(setup.batch) * 1000.0 / prediction.step_ms;
   return prediction;
@@ -382,8 +446,9 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
   prediction.bubble_fraction = simulation.bubble_fraction;
   double slowest_extra = 0;
   for (int rank = 0; rank < spec.ranks; ++rank) {
-    int64_t parameters = 0, activations = 0, sent = 0;
+    int64_t parameters = 0, activations = 0, sent = 0, largest_message = 0;
     double compute = 0;
+    std::set<int> neighbours;  // the stage ranks this one exchanges activations and gradients with
     for (int stage = rank; stage < stages; stage += spec.ranks) {
       const auto begin = bounds[static_cast<size_t>(stage)], end = bounds[static_cast<size_t>(stage) + 1];
       for (int64_t layer = begin; layer < end; ++layer) {
@@ -396,23 +461,50 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
       const auto& cost = costs[static_cast<size_t>(stage)];
       compute += spec.microbatches * (cost.forward + cost.backward);
       const int64_t boundary = at_samples(model.layers[static_cast<size_t>(end - 1)].output_bytes, micro, model);
-      if (stage + 1 < stages) sent += spec.microbatches * boundary;  // activations forward
-      if (stage > 0) {                                                 // gradients back
+      if (stage + 1 < stages) {  // activations forward
+        sent += spec.microbatches * boundary;
+        largest_message = std::max(largest_message, boundary);
+        neighbours.insert((stage + 1) % spec.ranks);
+      }
+      if (stage > 0) {  // gradients back
         const auto& previous = model.layers[static_cast<size_t>(begin - 1)];
-        sent += spec.microbatches * at_samples(previous.output_bytes, micro, model);
+        const int64_t gradient = at_samples(previous.output_bytes, micro, model);
+        sent += spec.microbatches * gradient;
+        largest_message = std::max(largest_message, gradient);
+        neighbours.insert((stage - 1) % spec.ranks);
       }
     }
+    neighbours.erase(rank);
     const double averaging =
         replicas > 1 ? replica_network.all_reduce.milliseconds(static_cast<double>(parameters)) : 0.0;
     slowest_extra = std::max(slowest_extra, averaging + setup.optimizer_ms_per_byte * static_cast<double>(parameters));
     prediction.compute_ms = std::max(prediction.compute_ms, compute);
-    const int64_t memory =
-        static_cast<int64_t>(static_cast<double>(parameters) * (2 + (replicas > 1) + setup.optimizer_state_factor)) +
-        simulation.peak_activations[static_cast<size_t>(rank)] * activations;
-    prediction.memory_per_rank = std::max(prediction.memory_per_rank, memory);
+    MemoryBreakdown memory;
+    const auto held = simulation.peak_activations[static_cast<size_t>(rank)];
+    const auto whole = static_cast<double>(parameters);
+    memory.add(tensor > 1 ? "parameters (this rank's split)" : "parameters", whole);
+    memory.add("gradients", whole);
+    if (replicas > 1) memory.add("DDP's gradient buckets (over the replicas)", whole);
+    memory.add("optimizer state", whole * setup.optimizer_state_factor);
+    memory.add("activations (" + std::to_string(held) + " micro-batches')", static_cast<double>(held * activations));
+    // Each neighbour's two rings (this rank's to it, its to this rank), as far as the messages in flight reach.
+    const auto& host = network.host_memory;
+    memory.add("pipeline rings' pages", static_cast<double>(
+                   2 * neighbours.size() * static_cast<size_t>(ring_pages(
+                       host.stage_ring_bytes, static_cast<double>(spec.microbatches * largest_message)))),
+               false);
+    double temporaries = 0;
+    for (int stage = rank; stage < stages; stage += spec.ranks) {
+      temporaries = std::max(temporaries, backward_temporaries(model, micro, bounds[static_cast<size_t>(stage)],
+                                                               bounds[static_cast<size_t>(stage) + 1]));
+    }
+    memory.add("backward's temporaries (beyond freed activations)", temporaries);
+    add_host_lines(memory, host, retained(model, whole));
+    if (memory.total() > prediction.memory.total()) prediction.memory = std::move(memory);
     const int64_t averaged = replicas > 1 ? 2 * (replicas - 1) * parameters / replicas : 0;
     prediction.bytes_per_step = std::max(prediction.bytes_per_step, sent + averaged);
   }
+  settle_memory(prediction);
   prediction.step_ms = simulation.makespan + slowest_extra + calibration.per_step_ms;
   prediction.exposed_comm_ms = std::max(0.0, prediction.step_ms - prediction.compute_ms);
   prediction.samples_per_second = static_cast<double>(setup.batch) * 1000.0 / prediction.step_ms;
@@ -496,16 +588,30 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
   // some batch touches, at most the whole table). Between ranks of one host both ends also map the
   // pages of both rings of each channel that the payloads in flight touched (every bucket at once, at
   // most the ring).
-  const auto ring_pages = [&](double bytes) { return through_ring(bytes) ? 2 * bytes : 0.0; };
-  const auto worker_memory = static_cast<int64_t>(4 * parameters + 3 * touched +
-                                                  servers * ring_pages((parameters + touched) / servers)) +
-                             activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
-  const double optimizer_temporaries = setup.optimizer_state_factor >= 2 ? 2 : 0;
-  const auto server_memory = static_cast<int64_t>(
-      share * (1 + setup.optimizer_state_factor + 2 * workers + (workers > 1) + optimizer_temporaries) +
-      sparse_table / servers * (1 + setup.optimizer_state_factor) + 2 * workers * rows_share +
-      workers * ring_pages(share + rows_share));
-  prediction.memory_per_rank = std::max(worker_memory, server_memory);
+  const auto channel_pages = [&](double bytes) { return through_ring(bytes) ? 2 * bytes : 0.0; };
+  MemoryBreakdown worker;
+  worker.add("parameters", parameters);
+  worker.add("gradients", parameters);
+  worker.add("pulled values' buffer", parameters);
+  worker.add("servers' replies", parameters);
+  worker.add("sparse rows touched (rows, gradients, reply)", 3 * touched);
+  worker.add("activations", static_cast<double>(all_activation_bytes(model, samples)));
+  worker.add("parameter server rings' pages", servers * channel_pages((parameters + touched) / servers), false);
+  worker.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
+  add_host_lines(worker, network.host_memory, retained(model, parameters));
+  MemoryBreakdown server;
+  server.add("its share of the parameters", share);
+  server.add("optimizer state", share * setup.optimizer_state_factor);
+  server.add("workers' pushes, kept until answered, and the round's copies", 2 * workers * share);
+  if (workers > 1) server.add("the workers' mean", share);
+  if (setup.optimizer_state_factor >= 2) server.add("Adam's temporaries", 2 * share);
+  server.add("its part of the sparse tables, with optimizer state",
+             sparse_table / servers * (1 + setup.optimizer_state_factor));
+  server.add("workers' pushes of sparse rows", 2 * workers * rows_share);
+  server.add("parameter server rings' pages", workers * channel_pages(share + rows_share), false);
+  add_host_lines(server, network.host_memory, 0.0);  // it runs no training loop
+  prediction.memory = worker.total() >= server.total() ? std::move(worker) : std::move(server);
+  settle_memory(prediction);
   prediction.bytes_per_step = static_cast<int64_t>(std::max(2 * (parameters + touched),
                                                             2 * (share + rows_share) * workers));
   prediction.samples_per_second = static_cast<double>(setup.batch) * 1000.0 / prediction.step_ms;
@@ -572,8 +678,15 @@ Prediction predict_tensor_parallel(const ModelProfile& model, const NetworkProfi
   prediction.step_ms = forward + backward + communication + averaging + setup.optimizer_ms_per_byte * parameters +
                        calibration.per_step_ms;
   prediction.exposed_comm_ms = communication + averaging;
-  prediction.memory_per_rank = static_cast<int64_t>(parameters * (2 + (replicas > 1) + setup.optimizer_state_factor)) +
-                               activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
+  auto& memory = prediction.memory;
+  memory.add("parameters (this rank's split)", parameters);
+  memory.add("gradients", parameters);
+  if (replicas > 1) memory.add("DDP's gradient buckets (over the replicas)", parameters);
+  memory.add("optimizer state", parameters * setup.optimizer_state_factor);
+  memory.add("activations", static_cast<double>(all_activation_bytes(model, samples)));
+  memory.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
+  add_host_lines(memory, network.host_memory, retained(model, parameters));
+  settle_memory(prediction);
   prediction.bytes_per_step =
       static_cast<int64_t>(moved + (replicas > 1 ? 2.0 * (replicas - 1) / replicas * parameters : 0.0));
   prediction.samples_per_second = static_cast<double>(setup.batch) * 1000.0 / prediction.step_ms;
@@ -614,23 +727,42 @@ Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& idle
     for (double bytes : step.bucket_bytes) gather_ms += (stage == 3 ? 2 : 1) * all_gather.milliseconds(bytes);
     if (stage <= 2) gather_ms += network.copy.ms_per_byte * parameters;
   }
-  int64_t largest_layer = 0;
-  for (const auto& layer : model.layers) largest_layer = std::max(largest_layer, layer.parameter_bytes);
+  const auto largest_layer = static_cast<double>(largest_layer_parameters(model));
   Prediction prediction;
   prediction.configuration = configuration;
   prediction.compute_ms = step.forward_ms + step.backward_ms;
   prediction.exposed_comm_ms = step.finish_ms - step.backward_ms + gather_ms;
   prediction.step_ms = step.forward_ms + step.finish_ms + gather_ms + setup.optimizer_ms_per_byte * shard +
                        calibration.per_step_ms;
-  // The shard (its flat copy: the optimizer's parameters), its averaged gradient and the optimizer's state on it;
-  // stages 1-2 also the whole parameters, stage 1 their local gradients; stage 3 the layer at work, gathered, and
-  // its gradients (CPU ranks prefetch no next layer). Then the activations of the rank's samples.
-  double state = shard * (2 + setup.optimizer_state_factor);
-  if (stage <= 2) state += parameters;
-  if (stage == 1) state += parameters;
-  if (stage == 3) state += 2 * static_cast<double>(largest_layer);
-  prediction.memory_per_rank = static_cast<int64_t>(state) +
-                               activation_bytes(model, samples, 0, static_cast<int64_t>(model.layers.size()));
+  // The engine (sharded/sharded_coordinator.cpp): the parameters (stages 1-2: whole, as views of flat buckets;
+  // stage 3: the unit at work, gathered — CPU ranks prefetch none); the shard's flat copy (the optimizer's
+  // parameters), its averaged gradient and the optimizer's state on it; the gradients autograd makes (stage 1
+  // keeps them all, stage 2 until their bucket is copied for its reduce-scatter, stage 3 the unit's); and the
+  // reduce-scatters' flat copies in flight (up to three buckets, stage 3 the unit's) with their outputs.
+  const double bucket = stage == 3 ? largest_layer : std::min(parameters, largest(step.bucket_bytes));
+  const double in_flight = stage == 3 ? largest_layer : std::min(parameters, 3 * bucket);
+  auto& memory = prediction.memory;
+  memory.add(stage == 3 ? "parameters (the unit at work, gathered)" : "parameters", stage == 3 ? largest_layer : parameters);
+  memory.add("the shard (the optimizer's parameters)", shard);
+  memory.add("optimizer state (on the shard)", shard * setup.optimizer_state_factor);
+  memory.add("the shard's averaged gradient", shard);
+  memory.add(stage == 1 ? "gradients" : stage == 2 ? "gradients (a bucket's, until copied)" : "gradients (the unit's)",
+             stage == 1 ? parameters : bucket);
+  if (apart) memory.add("reduce-scatter buffers in flight", in_flight * (1 + 1.0 / world));
+  memory.add("activations", static_cast<double>(all_activation_bytes(model, samples)));
+  if (apart) {
+    memory.add("shm group's segment (the collectives)",
+               static_cast<double>(shm_segment_pages(network.host_memory.shm_chunk_bytes, world, bucket)), false);
+  }
+  memory.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
+  if (stage == 3) {
+    // A model built whole is sharded unit by unit as it is wrapped: the whole parameters, the shard and one unit's
+    // flat tensor at once, which may exceed what training holds.
+    memory.add("wrapping the model built whole (beyond training's peak)",
+               parameters + shard + largest_layer - static_cast<double>(memory.tensor_bytes()));
+  }
+  add_host_lines(memory, network.host_memory, retained(model, parameters));
+  settle_memory(prediction);
   // A ring reduce-scatter and all-gather (DDP's all-reduce); stage 3 gathers twice.
   prediction.bytes_per_step =
       apart ? static_cast<int64_t>((stage == 3 ? 3.0 : 2.0) * (world - 1) / world * parameters) : 0;

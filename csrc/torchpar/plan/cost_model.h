@@ -6,6 +6,7 @@
 // and scale linearly with the samples a rank computes per pass above a fixed overhead per pass.
 #pragma once
 #include <torchpar/pipeline/schedules.h>
+#include <torchpar/plan/memory_model.h>
 
 #include <cstdint>
 #include <optional>
@@ -35,6 +36,9 @@ struct LayerProfile {
   // its features, 0 for any other layer.
   int64_t in_features = 0;
   int64_t out_features = 0;
+  // What its backward allocates at its peak beyond the gradients it leaves (at ModelProfile::batch samples;
+  // measured where the CPU allocations are counted, else 0).
+  int64_t backward_temporary_bytes = 0;
 };
 
 struct ModelProfile {
@@ -44,6 +48,10 @@ struct ModelProfile {
   // above 1 when ranks share cores or memory bandwidth. A configuration with fewer ranks busy at a
   // time (a pipeline's bubble, a parameter server's idle servers) slows in proportion.
   double contention = 1.0;
+  // What glibc kept resident beyond the tensors' peak while one process trained the whole model at `batch`
+  // samples (freed blocks re-made each step, under the project's allocator setting; measured, else 0): a
+  // rank re-making a share of the model's gradients keeps that share of it, and at least those gradients.
+  int64_t heap_retention_bytes = 0;
   int64_t parameter_bytes() const;
   double compute_ms() const;  // every layer's forward and backward at `batch` samples
   // The same profile with every time scaled so that compute_ms() is `pass_ms`: layers timed one at a
@@ -82,6 +90,8 @@ struct NetworkProfile {
   // Every rank on one host: the parameter server's payloads up to this many bytes go through its
   // shared-memory rings (ps/payload_ring.h: a Gloo frame, a copy in and a copy out); 0: through Gloo.
   int64_t ps_ring_bytes = 0;
+  // What the host adds to a rank's resident set beyond its tensors (memory_model.h).
+  HostMemory host_memory;
 };
 
 // What the model learns from measured runs (plan --verify), applied to every prediction:
@@ -163,7 +173,9 @@ struct Prediction {
   double compute_ms = 0;         // the busiest rank's compute per step
   double exposed_comm_ms = 0;    // step time not hidden behind compute
   double bubble_fraction = 0;    // pipeline: idle share of the ranks (0 otherwise)
-  int64_t memory_per_rank = 0;   // the fullest rank's bytes: parameters, gradients, optimizer, activations
+  int64_t memory_per_rank = 0;   // the fullest rank's resident set: memory.total()
+  int64_t tensor_memory_per_rank = 0;  // its tensors' peak (the allocator's view): memory.tensor_bytes()
+  MemoryBreakdown memory;        // the fullest rank's, line by line
   int64_t bytes_per_step = 0;    // sent by one rank per step (the busiest)
   std::vector<int64_t> balance;  // pipeline: the cut used
 };

@@ -1,9 +1,13 @@
 #include <torchpar/plan/planner.h>
 
+#include <torchpar/pipeline/simulator.h>
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
+#include <limits>
 #include <iomanip>
 #include <sstream>
 
@@ -27,7 +31,154 @@ constexpr const char* tensor_layers_python =
     "up = torchpar.tensor_parallel.ColumnParallelLinear(width, hidden, group=grid.tensor_group)\n"
     "down = torchpar.tensor_parallel.RowParallelLinear(hidden, width, group=grid.tensor_group)\n";
 
+// Every cut of `layers` layers into `stages` non-empty stages, or none when there are more than `most` of them.
+std::vector<std::vector<int64_t>> every_cut(int64_t layers, int64_t stages, double most) {
+  double count = 1;  // C(layers - 1, stages - 1)
+  for (int64_t k = 1; k < stages; ++k) count = count * static_cast<double>(layers - k) / static_cast<double>(k);
+  if (stages < 1 || layers < stages || count > most) return {};
+  std::vector<std::vector<int64_t>> cuts;
+  std::vector<int64_t> cut;
+  std::function<void(int64_t)> extend = [&](int64_t left) {
+    const auto remaining_stages = stages - static_cast<int64_t>(cut.size());
+    if (remaining_stages == 1) {
+      cut.push_back(left);
+      cuts.push_back(cut);
+      cut.pop_back();
+      return;
+    }
+    for (int64_t here = 1; here <= left - (remaining_stages - 1); ++here) {
+      cut.push_back(here);
+      extend(left - here);
+      cut.pop_back();
+    }
+  };
+  extend(layers);
+  return cuts;
+}
+
+// Exhaustive up to this many cuts (a deep model's 8 layers into 4 stages: 35); beyond, a local search.
+constexpr double kMostCutsTried = 512;
+
+// Whether `a` is the better pipeline prediction under `cap` (0: none): fitting first, then the leaner of two
+// that do not fit, then the faster.
+bool better_under_cap(const Prediction& a, const Prediction& b, int64_t cap) {
+  const int64_t over_a = cap > 0 ? std::max<int64_t>(0, a.memory_per_rank - cap) : 0;
+  const int64_t over_b = cap > 0 ? std::max<int64_t>(0, b.memory_per_rank - cap) : 0;
+  if (over_a != over_b) return over_a < over_b;
+  return a.step_ms < b.step_ms;
+}
+
+// Where every cut is too many to try, for a pipeline of one stage per rank without tensor groups: the cut that
+// minimises the slowest stage's time (the layers' profiled times) among those whose every stage's tensors
+// (parameters, gradients, replicas' buckets, optimizer state, and the activations each rank holds in the
+// schedule, simulated at equal costs) fit `tensor_cap`; where none fits, the one least over it. By dynamic
+// programming over (stage, layers so far).
+std::vector<int64_t> fastest_fitting_cut(const ModelProfile& model, const TrainingSetup& setup,
+                                         const Configuration& configuration, int64_t tensor_cap) {
+  const int64_t cap = tensor_cap;
+  pipeline::ScheduleSpec spec;
+  spec.kind = configuration.schedule;
+  spec.ranks = configuration.world / configuration.replicas;
+  spec.microbatches = configuration.microbatches;
+  const auto held = pipeline::simulate(spec, std::vector<pipeline::ActionCosts>(static_cast<size_t>(spec.ranks)))
+                        .peak_activations;
+  const int64_t micro = setup.batch / configuration.replicas / configuration.microbatches;
+  const auto layers = static_cast<int64_t>(model.layers.size());
+  const auto stages = static_cast<int64_t>(spec.ranks);
+  // (bytes over the cap, slowest stage's ms) of the best cut of the first i layers into s stages.
+  using Cost = std::pair<int64_t, double>;
+  const Cost unreachable{std::numeric_limits<int64_t>::max(), 0};
+  std::vector<std::vector<Cost>> best(static_cast<size_t>(stages + 1),
+                                      std::vector<Cost>(static_cast<size_t>(layers + 1), unreachable));
+  std::vector<std::vector<int64_t>> from(best.size(), std::vector<int64_t>(static_cast<size_t>(layers + 1), -1));
+  best[0][0] = {0, 0.0};
+  for (int64_t stage = 1; stage <= stages; ++stage) {
+    for (int64_t end = stage; end <= layers - (stages - stage); ++end) {
+      double parameters = 0, milliseconds = 0;
+      int64_t activations = 0;
+      for (int64_t begin = end - 1; begin >= stage - 1; --begin) {  // the stage is layers [begin, end)
+        const auto& layer = model.layers[static_cast<size_t>(begin)];
+        parameters += static_cast<double>(layer.parameter_bytes);
+        milliseconds += layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms;
+        activations += layer.activation_bytes * micro / model.batch;
+        const auto& before = best[static_cast<size_t>(stage - 1)][static_cast<size_t>(begin)];
+        if (before == unreachable) continue;
+        const int64_t memory =
+            static_cast<int64_t>(parameters * (2 + (configuration.replicas > 1) + setup.optimizer_state_factor)) +
+            held[static_cast<size_t>(stage - 1)] * activations;
+        const Cost cost{std::max(before.first, cap > 0 ? std::max<int64_t>(0, memory - cap) : 0),
+                        std::max(before.second, milliseconds)};
+        auto& here = best[static_cast<size_t>(stage)][static_cast<size_t>(end)];
+        if (cost < here) {
+          here = cost;
+          from[static_cast<size_t>(stage)][static_cast<size_t>(end)] = begin;
+        }
+      }
+    }
+  }
+  std::vector<int64_t> cut(static_cast<size_t>(stages));
+  for (int64_t stage = stages, end = layers; stage > 0; --stage) {
+    const int64_t begin = from[static_cast<size_t>(stage)][static_cast<size_t>(end)];
+    cut[static_cast<size_t>(stage - 1)] = end - begin;
+    end = begin;
+  }
+  return cut;
+}
+
 } // namespace
+
+Prediction predict_fastest_cut(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
+                               const Configuration& configuration, const Calibration& calibration,
+                               int64_t memory_per_rank) {
+  TORCH_CHECK(configuration.strategy == Strategy::Pipeline, "predict_fastest_cut: a pipeline configuration");
+  if (!configuration.balance.empty()) return predict(model, network, setup, configuration, calibration);
+  Prediction best = predict(model, network, setup, configuration, calibration);  // the cut balanced by time
+  const auto try_cut = [&](const std::vector<int64_t>& cut) {
+    Configuration candidate = configuration;
+    candidate.balance = cut;
+    try {
+      auto prediction = predict(model, network, setup, candidate, calibration);
+      if (better_under_cap(prediction, best, memory_per_rank)) {
+        best = std::move(prediction);
+        return true;
+      }
+    } catch (const c10::Error&) {
+      // a cut this configuration cannot take (a tensor pair split by it): the others may
+    }
+    return false;
+  };
+  const auto layers = static_cast<int64_t>(model.layers.size());
+  const auto stages = static_cast<int64_t>(best.balance.size());
+  const auto cuts = every_cut(layers, stages, kMostCutsTried);
+  for (const auto& cut : cuts) try_cut(cut);
+  if (!cuts.empty() || stages < 2) return best;
+  // Too many cuts to try each: the dynamic programme's (one stage per rank, whole layers), then one layer moved
+  // across one boundary at a time while that helps.
+  if (configuration.virtual_stages == 1 && configuration.tensor == 1) {
+    // The tensors' share of the cap: what the fullest rank of the cut by time holds beyond its tensors (rings,
+    // glibc's retention, the process) is about what any cut's holds.
+    const int64_t resident_only = best.memory_per_rank - best.tensor_memory_per_rank;
+    try_cut(fastest_fitting_cut(model, setup, configuration,
+                                memory_per_rank > 0 ? std::max<int64_t>(1, memory_per_rank - resident_only) : 0));
+  }
+  for (bool improved = true; improved;) {
+    improved = false;
+    const auto from = best.balance;
+    for (size_t boundary = 0; boundary + 1 < from.size() && !improved; ++boundary) {
+      for (const int64_t shift : {1, -1}) {
+        auto cut = from;
+        cut[boundary] += shift;
+        cut[boundary + 1] -= shift;
+        if (cut[boundary] < 1 || cut[boundary + 1] < 1) continue;
+        if (try_cut(cut)) {
+          improved = true;
+          break;
+        }
+      }
+    }
+  }
+  return best;
+}
 
 Planner::Planner(ModelProfile model, NetworkProfile network, TrainingSetup setup, Calibration calibration)
     : model_(std::move(model)), network_(network), setup_(setup), calibration_(calibration) {}
@@ -108,10 +259,13 @@ Plan Planner::plan(const PlanOptions& options) const {
   Plan plan;
   for (const auto& configuration : candidates(options)) {
     try {
-      auto prediction = predict(model_, network_, setup_, configuration, calibration_);
+      const bool cut_to_choose = configuration.strategy == Strategy::Pipeline && configuration.balance.empty();
+      auto prediction = cut_to_choose ? predict_fastest_cut(model_, network_, setup_, configuration, calibration_,
+                                                            options.memory_per_rank())
+                                      : predict(model_, network_, setup_, configuration, calibration_);
       if (options.memory_per_rank() > 0 && prediction.memory_per_rank > options.memory_per_rank()) {
-        plan.excluded.push_back({configuration, "needs " + format_bytes(prediction.memory_per_rank) +
-                                                    " per rank, over the " +
+        plan.excluded.push_back({configuration, (cut_to_choose ? "needs, cut the leanest way, " : "needs ") +
+                                                    format_bytes(prediction.memory_per_rank) + " per rank, over the " +
                                                     format_bytes(options.memory_per_rank()) + " cap"});
         continue;
       }

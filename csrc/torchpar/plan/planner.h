@@ -1,6 +1,6 @@
 // Which strategy, with which settings, for this model on these ranks: every configuration the world
 // allows, predicted by the cost model (cost_model.h), ranked by predicted samples/s among those that fit
-// the memory per rank; the others listed with the reason they are out.
+// the memory per rank (a pipeline at its fastest cut within it); the others listed with the reason they are out.
 //
 //   torchpar::plan::Planner planner(profile, network, setup);          // profile.h measures both
 //   auto plan = planner.plan(PlanOptions().world(4).memory_per_rank(2LL << 30));
@@ -40,6 +40,14 @@ struct Plan {
   std::string recommended_cpp;     // the top configuration as code to paste
   std::string recommended_python;
 };
+
+// A pipeline configuration with no cut given, at the cut of its layers the cost model predicts fastest among those
+// within `memory_per_rank` (0: no cap); where none fits, the leanest. Every cut is tried where there are at most
+// 512 (8 layers into 4 stages: 35), else one layer moved across one boundary at a time from the cut balanced by
+// time, while that helps. A configuration with a cut is predicted at it.
+Prediction predict_fastest_cut(const ModelProfile& model, const NetworkProfile& network, const TrainingSetup& setup,
+                               const Configuration& configuration, const Calibration& calibration = {},
+                               int64_t memory_per_rank = 0);
 
 class Planner {
  public:

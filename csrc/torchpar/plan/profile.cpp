@@ -2,6 +2,7 @@
 
 #include <torchpar/pipeline/same_host_rings.h>
 #include <torchpar/ps/channel.h>
+#include <torchpar/common/cpu_allocations.h>
 #include <torchpar/common/memfd_region.h>
 
 #include <ATen/ops/empty_like.h>
@@ -121,6 +122,23 @@ ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, co
             torch::autograd::grad(r, differentiable, seeds, /*retain_graph=*/false, /*create_graph=*/false,
                                   /*allow_unused=*/true);
           });
+      if (counting_cpu_allocations()) {
+        // One more backward, its allocations counted: what it holds at its peak beyond the gradients it leaves.
+        for (auto& parameter : layer.parameters) parameter.mutable_grad() = at::Tensor();
+        for (auto& input : differentiable) input.mutable_grad() = at::Tensor();
+        const auto roots = requiring_grad(layer.forward(inputs));
+        reset_cpu_allocation_peak();
+        const int64_t before = cpu_allocations().current;
+        torch::autograd::backward(roots, seeds);
+        int64_t gradients = 0;
+        for (const auto& parameter : layer.parameters) {
+          if (parameter.grad().defined()) gradients += static_cast<int64_t>(parameter.grad().nbytes());
+        }
+        for (const auto& input : differentiable) {
+          if (input.grad().defined()) gradients += static_cast<int64_t>(input.grad().nbytes());
+        }
+        profile.backward_temporary_bytes = std::max<int64_t>(0, cpu_allocations().peak - before - gradients);
+      }
       profile.backward_input_ms = std::min(input_only, whole);
       profile.backward_weight_ms = layer.parameters.empty() ? 0.0 : whole - profile.backward_input_ms;
       if (layer.parameters.empty()) profile.backward_input_ms = whole;
@@ -283,7 +301,10 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
   }
   network.all_reduce = fit_link_cost(sizes, all_reduce_ms);
   network.send_recv = fit_link_cost(sizes, transfer_ms);
-  if (rings) network.stage_transfer = fit_link_cost(sizes, ring_transfer_ms);
+  if (rings) {
+    network.stage_transfer = fit_link_cost(sizes, ring_transfer_ms);
+    network.host_memory.stage_ring_bytes = pipeline::SameHostRings::default_ring_bytes();
+  }
   network.copy = fit_link_cost(sizes, copy_ms);
   network.all_gather = gathers ? fit_link_cost(sizes, all_gather_ms) : network.all_reduce;
   network.reduce_scatter = scatters ? fit_link_cost(sizes, reduce_scatter_ms) : network.all_reduce;

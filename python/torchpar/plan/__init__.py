@@ -46,9 +46,10 @@ def _engine_model(model: Model, batch: int):
 
 def profile(model: Model, batch: int, repeats: int = 5):
     """Each layer's forward, backward (input and weight parts), parameter, activation and output bytes at
-    `batch` samples, the first layer's embedding tables (which a parameter server can hold as sparse rows), the
-    Linear layers a tensor group can split, and the optimizer's time per parameter byte: (ModelProfile, ms per
-    byte)."""
+    `batch` samples (and its backward's temporaries, where CPU allocations are counted), the first layer's
+    embedding tables (which a parameter server can hold as sparse rows), the Linear layers a tensor group can
+    split, glibc's retention in the model's training (:func:`measure_heap_retention`), and the optimizer's time
+    per parameter byte: (ModelProfile, ms per byte)."""
     factories, inputs = _engine_model(model, batch)
     model_profile, optimizer_ms_per_byte = _engine.profile_layers(factories, inputs, repeats,
                                                                   OPTIMIZER_STATE[model.optimizer])
@@ -60,7 +61,43 @@ def profile(model: Model, batch: int, repeats: int = 5):
         if linear is not None:
             layer.in_features, layer.out_features = linear.in_features, linear.out_features
     model_profile.layers = layers
+    model_profile.heap_retention_bytes = measure_heap_retention(model, batch)
     return model_profile, optimizer_ms_per_byte
+
+
+_RETENTION_STEPS = 20
+
+
+def measure_heap_retention(model: Model, batch: int) -> int:
+    """What glibc keeps resident beyond the tensors' peak while this process trains the whole model on `batch`
+    samples for 20 steps (its optimizer; the gradients freed by zero_grad and re-made by the next backward, where
+    forward's allocations took their place): the second of two runs, the first paying what a process sets up
+    once. 0 where CPU allocations are not counted (torchpar.allocator) or /proc does not tell."""
+    from torch import nn
+
+    from torchpar import allocator
+    from torchpar.plan.verify import resident_kib, start_memory_watch
+
+    if not allocator.counting_cpu_allocations():
+        return 0
+    kept = 0
+    for _ in range(2):
+        baseline = start_memory_watch()
+        allocator.reset_cpu_peak_memory()
+        before = allocator.cpu_memory_allocated()
+        net = nn.Sequential(*[copy.deepcopy(model.build(i)) for i in range(len(model.layers))])
+        optimizer = model.make_optimizer(net.parameters())
+        x, y = model.sample(batch)
+        for _ in range(_RETENTION_STEPS):
+            optimizer.zero_grad()
+            model.loss(net(x), y).backward()
+            optimizer.step()
+        peak = resident_kib("VmHWM")
+        if baseline is None or peak is None:
+            return 0
+        kept = (peak - baseline) * 1024 - (allocator.cpu_max_memory_allocated() - before)
+        del net, optimizer
+    return max(0, kept)
 
 
 def measure_model_pass(model: Model, batch: int, group: Optional[dist.ProcessGroup] = None):
@@ -83,6 +120,8 @@ def measure_network(group: Optional[dist.ProcessGroup] = None,
     if data_group is not None:
         network.ddp_all_reduce = _engine.measure_network(data_group, list(sizes_bytes), repeats).all_reduce
     network.ddp_in_place = data_group is not None or dist.get_backend(group) == "shm"
+    if network.ddp_in_place:  # DDP's buckets, and the sharded engine's collectives, go through an shm segment
+        network.host_memory.shm_chunk_bytes = _engine.SHM_CHUNK_BYTES
     return network
 
 

@@ -3,7 +3,8 @@ network measurements its prediction came from, and its measured step time) is a 
 the C++ ``fit_calibration`` over the samples of this torch version, backend, world size and thread count,
 across runs and models, so one noisy run does not decide it.
 
-Kept in ``~/.cache/torchpar/plan_calibration.json`` (or ``$TORCHPAR_PLAN_CALIBRATION``).
+Kept in ``$TORCHPAR_PLAN_CALIBRATION``, else ``$XDG_CACHE_HOME/torchpar/plan_calibration.json`` (by default
+``~/.cache/torchpar/plan_calibration.json``), read when used: the test suite points both elsewhere.
 """
 from __future__ import annotations
 
@@ -19,8 +20,15 @@ from torchpar._C import plan as _engine
 Calibration = _engine.Calibration
 BOUNDS = _engine.calibration_bounds()  # each knob's (lowest, highest), as fit_calibration searches it
 FIELDS = tuple(BOUNDS)
-FILE = pathlib.Path(os.environ.get("TORCHPAR_PLAN_CALIBRATION",
-                                   pathlib.Path.home() / ".cache" / "torchpar" / "plan_calibration.json"))
+
+
+def calibration_file() -> pathlib.Path:
+    """Where --verify keeps what it learned on this machine."""
+    if os.environ.get("TORCHPAR_PLAN_CALIBRATION"):
+        return pathlib.Path(os.environ["TORCHPAR_PLAN_CALIBRATION"])
+    cache = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(cache) / "torchpar" / "plan_calibration.json"
+
 KEPT_SAMPLES = 60  # the most recent per key: the machine may change under it
 
 _LAYER_FIELDS = ("name", "forward_ms", "backward_input_ms", "backward_weight_ms", "forward_overhead_ms",
@@ -74,9 +82,9 @@ def _calibration_from(fields: dict) -> Calibration:
     return calibration
 
 
-def load_calibration(world: int, backend: str, path: pathlib.Path = FILE) -> Optional[Calibration]:
+def load_calibration(world: int, backend: str, path: Optional[pathlib.Path] = None) -> Optional[Calibration]:
     """What earlier --verify runs on this machine taught for this world and backend, if any."""
-    entry = _read(path).get(_key(world, backend))
+    entry = _read(path or calibration_file()).get(_key(world, backend))
     return _calibration_from(entry["calibration"]) if isinstance(entry, dict) and "calibration" in entry else None
 
 
@@ -172,11 +180,12 @@ def sample_from_json(fields: dict):
     return sample
 
 
-def learn(samples: Sequence, world: int, backend: str, path: pathlib.Path = FILE,
+def learn(samples: Sequence, world: int, backend: str, path: Optional[pathlib.Path] = None,
           start: Optional[Calibration] = None) -> tuple[Calibration, int]:
     """Adds `samples` (CalibrationSample) to those kept for this world and backend, fits the calibration to
     all of them from `start` (the default one), keeps both; returns the calibration and how many samples it
     rests on."""
+    path = path or calibration_file()
     saved = _read(path)
     key = _key(world, backend)
     entry = saved.get(key) if isinstance(saved.get(key), dict) else {}

@@ -10,7 +10,7 @@ ZeRO stages 1-3, pipeline schedules x micro-batches x replicas, parameter server
 parallelism) and prints them
 ranked by predicted step time, with the configurations that are out and why, and the best one as C++ and
 Python code. --verify K runs the top K for a few steps and prints predicted against measured; each run is
-kept as a sample in ~/.cache/torchpar/plan_calibration.json ($TORCHPAR_PLAN_CALIBRATION), and the
+kept as a sample in $TORCHPAR_PLAN_CALIBRATION (default ~/.cache/torchpar/plan_calibration.json), and the
 calibration fitted to all of them applies to later plans on this machine.
 Writes <out>/plan.json and <out>/plan.png. Without torchrun it spawns --world ranks itself.
 """
@@ -30,10 +30,10 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from torchpar.allocator import keep_freed_memory
+from torchpar.allocator import count_cpu_allocations, keep_freed_memory
 from torchpar.plan.calibration import calibration_fields, configuration_fields, configuration_from_fields, network_fields
 from torchpar.plan.calibration import describe as describe_calibration
-from torchpar.plan.host_overhead import measure_host_overheads
+from torchpar.plan.host_overhead import measure_host_overheads, measure_process_overhead
 
 # A verified configuration's median is taken over at least --steps steps, and over more where its steps are quick
 # (by its prediction): up to this long a run, at most this many steps, a quarter of them as warmup. A median of 5
@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--verify-each-strategy", action="store_true",
                         help="also verify the best configuration of every strategy (ddp, sharded, pipeline, ps, "
                              "tensor, pipeline x tensor) outside the top K")
+    parser.add_argument("--explain-memory", action="store_true",
+                        help="print what a rank of the top configuration holds, line by line (tensors, and the pages "
+                             "that are no tensor's), and with --verify each verified one's against what it measured")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per verified configuration, at least "
                         "(more where its steps are quick: up to 0.25 s of them)")
     parser.add_argument("--backend", choices=["gloo", "shm"], default="gloo")
@@ -87,8 +90,15 @@ def prediction_fields(prediction) -> dict:
     fields["balance"] = list(prediction.balance) or fields["balance"]
     return dict(configuration=prediction.configuration.describe(), step_ms=prediction.step_ms,
                 samples_per_second=prediction.samples_per_second, memory_per_rank=prediction.memory_per_rank,
+                tensor_memory_per_rank=prediction.tensor_memory_per_rank,
+                memory=[dict(what=line.what, bytes=line.bytes, tensor=line.tensor) for line in prediction.memory.lines],
                 bubble_fraction=prediction.bubble_fraction, bytes_per_step=prediction.bytes_per_step,
                 compute_ms=prediction.compute_ms, fields=fields)
+
+
+def _percent_off(predicted: int, measured: int) -> str:
+    """The prediction's error against a measurement, signed (+: predicted more); "-" where nothing was measured."""
+    return f"{100 * (predicted - measured) / measured:+.0f}%" if measured > 0 else "-"
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
@@ -156,7 +166,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     # Profile, passes and verified steps all without faulting freed memory back in, which a fresh process does
     # and a longer-lived one may not: otherwise a step's time depends on what the process allocated before.
-    keep_freed_memory()
+    keeps_freed_memory = keep_freed_memory() or "MALLOC_MMAP_THRESHOLD_" in os.environ
+    count_cpu_allocations()  # the allocator's view of each verified configuration's peak, beside the resident set
     control = dist.new_group(backend="gloo")
     group = dist.new_group(backend=args.backend) if args.backend != "gloo" else dist.group.WORLD
     model = planner.load_model(args.model)
@@ -169,6 +180,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     dist.barrier(group=control)
     passes = planner.measure_model_pass(model, per_rank, control)
     network = planner.measure_network(group)
+    network.host_memory.keeps_freed_memory = keeps_freed_memory
+    network.host_memory.process_overhead_bytes = measure_process_overhead(network, control, args.backend)
     # The default calibration, with the engines' host times measured on these ranks: what this plan predicts
     # with unless earlier --verify runs taught one, and where this run's --verify fit starts.
     calibration = planner.load_calibration(world, args.backend) if rank == 0 else None
@@ -209,6 +222,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                     ("calibration from earlier --verify runs: " if learned else "default calibration: ") +
                     describe_calibration(calibration))
         print(planner.render_table(result), flush=True)
+        if args.explain_memory and result.ranked:
+            print(f"memory per rank of {result.ranked[0].configuration.describe()} (its fullest rank; measured: the "
+                  f"model's training in one process kept {model_profile.heap_retention_bytes / 2**20:.1f} MiB of "
+                  f"freed blocks, a rank's overhead {network.host_memory.process_overhead_bytes / 2**20:.1f} MiB):\n"
+                  + result.ranked[0].memory.render(), flush=True)
         if result.ranked:
             print("recommended, C++:\n" + result.recommended_cpp + "\nrecommended, Python:\n" +
                   result.recommended_python, flush=True)
@@ -264,7 +282,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                                              tensor_roles=chosen[1][index]))
                 progress.update()
         levels.append(planner.measure_model_pass(model, per_rank, control))
-        measured = [Measurement(statistics.mean(m.step_ms for m in both), max(m.memory_bytes for m in both))
+        measured = [Measurement(statistics.mean(m.step_ms for m in both), max(m.memory_bytes for m in both),
+                                max(m.allocated_bytes for m in both))
                     for both in rounds]
     if rank == 0:
         if measured:
@@ -272,7 +291,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                 report["verified"].append(dict(configuration=entry["configuration"], predicted_ms=entry["step_ms"],
                                                measured_ms=measurement.step_ms,
                                                predicted_memory=entry["memory_per_rank"],
-                                               measured_memory=measurement.memory_bytes))
+                                               predicted_tensor_memory=entry["tensor_memory_per_rank"],
+                                               measured_memory=measurement.memory_bytes,
+                                               measured_allocated=measurement.allocated_bytes))
             configurations = [configuration_from_fields(e["fields"]) for e in chosen[0]]
             logger.info("the whole model's forward and backward around the verified runs: %.2f and %.2f ms alone, "
                         "%.2f and %.2f ms together", levels[0].alone_ms, levels[1].alone_ms, levels[0].together_ms,
@@ -296,8 +317,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                                                                calibration=learned)
             report["learned_calibration"] = calibration_fields(learned)
             report["calibration_samples"] = sample_count
-            print(f"verified (step ms): configuration | predicted | measured | error | calibrated | error | memory per "
-                  f"rank predicted | measured (resident set's growth)\n"
+            print(f"verified (step ms): configuration | predicted | measured | error | calibrated | error | resident "
+                  f"set per rank predicted | measured (growth) | error | tensors per rank predicted | measured "
+                  f"(the allocator's peak) | error\n"
                   f"  (predicted: with the calibration above; calibrated: fitted to {sample_count} runs on this "
                   f"machine, verified ones and host-time probes, these included: {describe_calibration(learned)})",
                   flush=True)
@@ -306,7 +328,10 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                 calibrated = abs(row["calibrated_ms"] - row["measured_ms"]) / row["measured_ms"]
                 print(f"  {row['configuration']} | {row['predicted_ms']:.2f} | {row['measured_ms']:.2f} | "
                       f"{100 * error:.0f}% | {row['calibrated_ms']:.2f} | {100 * calibrated:.0f}% | "
-                      f"{row['predicted_memory'] / 2**20:.1f} MiB | {row['measured_memory'] / 2**20:.1f} MiB",
+                      f"{row['predicted_memory'] / 2**20:.1f} MiB | {row['measured_memory'] / 2**20:.1f} MiB | "
+                      f"{_percent_off(row['predicted_memory'], row['measured_memory'])} | "
+                      f"{row['predicted_tensor_memory'] / 2**20:.1f} MiB | {row['measured_allocated'] / 2**20:.1f} MiB | "
+                      f"{_percent_off(row['predicted_tensor_memory'], row['measured_allocated'])}",
                       flush=True)
             fastest = min(m.step_ms for m in measured)
             print(f"the top-ranked configuration measured {measured[0].step_ms / fastest:.2f}x the fastest verified "

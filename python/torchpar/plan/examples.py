@@ -26,10 +26,10 @@ def deep_mlp(depth: int = 8, width: int = 512) -> Model:
                  loss=nn.functional.cross_entropy)
 
 
-class _MeanEmbedding(nn.Module):
-    def __init__(self, rows: int, dim: int):
+class _BagEmbedding(nn.Module):
+    def __init__(self, rows: int, dim: int, mode: str = "mean"):
         super().__init__()
-        self.embedding = nn.EmbeddingBag(rows, dim, mode="mean")
+        self.embedding = nn.EmbeddingBag(rows, dim, mode=mode)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embedding(ids)
@@ -38,7 +38,7 @@ class _MeanEmbedding(nn.Module):
 def wide_embedding(rows: int = 200_000, dim: int = 64) -> Model:
     """A wide embedding (`rows` x `dim`, averaged over 8 ids per sample) under a small MLP, trained with
     Adam: most bytes, little compute (the parameter server's natural case under a memory cap)."""
-    layers = [_MeanEmbedding(rows, dim), nn.Sequential(nn.Linear(dim, 64), nn.ReLU()), nn.Linear(64, 2)]
+    layers = [_BagEmbedding(rows, dim), nn.Sequential(nn.Linear(dim, 64), nn.ReLU()), nn.Linear(64, 2)]
     return Model(layers=layers,
                  sample=lambda batch: (torch.randint(0, rows, (batch, 8)), torch.randint(0, 2, (batch,))),
                  loss=nn.functional.cross_entropy, optimizer="adam")
@@ -59,3 +59,42 @@ def digits_wide_mlp(hidden: int = 2048) -> Model:
               nn.Linear(hidden, 10)]
     return Model(layers=layers, sample=lambda batch: (torch.randn(batch, 64), torch.randint(0, 10, (batch,))),
                  loss=nn.functional.cross_entropy, optimizer="adam", lr=2e-3)
+
+
+# Held out: models no test tunes the planner to, on which docs/planner.md reports its predictions against
+# what was measured.
+
+class _Residual(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.inner(x))
+
+
+def residual_mlp(depth: int = 6, width: int = 384) -> Model:
+    """Held out: `depth` residual blocks (two Linear of `width`, a skip connection), then Linear(width, 10)."""
+    layers = [_Residual(width) for _ in range(depth)] + [nn.Linear(width, 10)]
+    return Model(layers=layers, sample=lambda batch: (torch.randn(batch, width), torch.randint(0, 10, (batch,))),
+                 loss=nn.functional.cross_entropy)
+
+
+def conv1d_net(channels: int = 64, length: int = 128) -> Model:
+    """Held out: three Conv1d(kernel 5)+ReLU over 8 input channels of `length` samples, then a Linear classifier:
+    little parameter memory, much activation memory."""
+    layers = [nn.Sequential(nn.Conv1d(8, channels, 5, padding=2), nn.ReLU()),
+              nn.Sequential(nn.Conv1d(channels, channels, 5, padding=2), nn.ReLU()),
+              nn.Sequential(nn.Conv1d(channels, channels, 5, padding=2), nn.ReLU(), nn.Flatten()),
+              nn.Linear(channels * length, 10)]
+    return Model(layers=layers, sample=lambda batch: (torch.randn(batch, 8, length), torch.randint(0, 10, (batch,))),
+                 loss=nn.functional.cross_entropy)
+
+
+def recommender(rows: int = 100_000, dim: int = 64) -> Model:
+    """Held out: a 24 MiB embedding (`rows` x `dim`, summed over 16 ids per sample) under a 256-wide MLP, SGD."""
+    layers = [_BagEmbedding(rows, dim, mode="sum"), nn.Sequential(nn.Linear(dim, 256), nn.ReLU()),
+              nn.Sequential(nn.Linear(256, 256), nn.ReLU()), nn.Linear(256, 2)]
+    return Model(layers=layers,
+                 sample=lambda batch: (torch.randint(0, rows, (batch, 16)), torch.randint(0, 2, (batch,))),
+                 loss=nn.functional.cross_entropy)

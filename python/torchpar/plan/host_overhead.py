@@ -108,6 +108,35 @@ def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: 
     return lowest + _solve(predicted_ms, measured_ms, highest - lowest)
 
 
+def measure_process_overhead(network, control, backend: str) -> int:
+    """(Every rank.) How much a rank's resident set grows beyond its tensors' peak and the pages the memory model
+    knows of (memory_model.h: the shm segment, glibc's retention) — its threads' stacks and arenas, the groups'
+    buffers — in DDP of two Linear(256, 256) at 16 samples a rank: its second run (the first pays what a process
+    sets up once, which --verify leaves out too). 0 where the allocator's count is off or /proc does not tell."""
+    from torchpar import allocator
+    from torchpar.plan import profile
+    from torchpar.plan.verify import measure
+
+    world = dist.get_world_size()
+    if world < 2 or not allocator.counting_cpu_allocations():
+        return 0
+    model = _linear_model(2, 256)
+    configuration = configuration_from_fields(dict(strategy="ddp", world=world, replicas=1, tensor=1, schedule="1f1b",
+                                                   microbatches=1, virtual_stages=1, balance=[], servers=0,
+                                                   synchronous=True, zero_stage=1))
+    batch = world * _DATA_PARALLEL_SAMPLES
+    for _ in range(2):
+        measured = measure(model, configuration, batch, backend, control, warmup=2, steps=8)
+    if measured.memory_bytes == 0:
+        return 0
+    model_profile, _ = profile(model, _DATA_PARALLEL_SAMPLES)
+    setup = _engine.TrainingSetup()
+    setup.batch = batch
+    predicted = _engine.predict(model_profile, network, setup, configuration)
+    known = predicted.memory_per_rank - predicted.tensor_memory_per_rank - network.host_memory.process_overhead_bytes
+    return max(0, measured.memory_bytes - measured.allocated_bytes - known)
+
+
 def measure_host_overheads(calibration, network, control, backend: str) -> list:
     """(Every rank; what counts is rank 0's.) Sets, in this order (each fitted with those before it):
     `calibration.communication_scale` from DDP of four Linear(512, 512); `per_action_ms` from a 1F1B pipeline of

@@ -23,6 +23,7 @@ from torch import nn
 
 import torchpar
 import torchpar.pipeline
+from torchpar import allocator
 import torchpar.ps
 from torchpar._C import plan as _engine
 from torchpar.plan.embeddings import with_remote_embeddings
@@ -50,7 +51,7 @@ def _largest(value: float, group) -> float:
 _STATUS = pathlib.Path("/proc/self/status")
 
 
-def _resident_kib(field: str) -> Optional[int]:
+def resident_kib(field: str) -> Optional[int]:
     try:
         match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
     except OSError:
@@ -58,7 +59,7 @@ def _resident_kib(field: str) -> Optional[int]:
     return int(match[1]) if match else None
 
 
-def _start_memory_watch() -> Optional[int]:
+def start_memory_watch() -> Optional[int]:
     """Hands freed heap memory back to the system, resets the resident set's high-water mark and returns the
     resident set now (KiB), or None where Linux's /proc does not tell."""
     libc_name = ctypes.util.find_library("c")
@@ -71,12 +72,13 @@ def _start_memory_watch() -> Optional[int]:
         pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
     except OSError:
         return None
-    return _resident_kib("VmRSS")
+    return resident_kib("VmRSS")
 
 
 class Measurement(NamedTuple):
     step_ms: float          # the slowest rank's median step
     memory_bytes: int       # the fullest rank's growth of its resident set (0 where it cannot be measured)
+    allocated_bytes: int = 0  # the fullest rank's peak of CPU tensor memory above where it stood before (0: not counted)
 
 
 def _timed_training(model: Model, net: nn.Module, samples: int, warmup: int, steps: int,
@@ -180,7 +182,11 @@ def measure(model: Model, configuration, batch: int, backend: str, control, warm
     ``torchpar._C.plan.tensor_parallel_roles`` gives them for the configuration)."""
     strategy = configuration.strategy
     dist.barrier(group=control)
-    baseline = _start_memory_watch()
+    baseline = start_memory_watch()
+    counting = allocator.counting_cpu_allocations()
+    if counting:
+        allocator.reset_cpu_peak_memory()
+        allocated_before = allocator.cpu_memory_allocated()
     if strategy == _engine.Strategy.ddp:
         layers = [copy.deepcopy(model.build(i)) for i in range(len(model.layers))]
         mine = _ddp(model, layers, batch, warmup, steps)
@@ -193,6 +199,7 @@ def measure(model: Model, configuration, batch: int, backend: str, control, warm
         mine = _tensor_parallel(model, tensor_roles, configuration, batch, warmup, steps, backend)
     else:
         mine = _parameter_server(model, configuration, batch, warmup, steps)
-    peak = _resident_kib("VmHWM")
+    peak = resident_kib("VmHWM")
     grown = (peak - baseline) * 1024 if baseline is not None and peak is not None else 0
-    return Measurement(_largest(mine, control), int(_largest(grown, control)))
+    allocated = allocator.cpu_max_memory_allocated() - allocated_before if counting else 0
+    return Measurement(_largest(mine, control), int(_largest(grown, control)), int(_largest(allocated, control)))

@@ -128,10 +128,8 @@ class ProcessGroupShm : public c10d::Backend {
   std::condition_variable wake_;
   using QueuedTask = std::pair<c10::intrusive_ptr<ShmWork>, Task>;
   std::deque<QueuedTask> queue_;
-  // Tasks the backend's thread ran, released by the next caller or the destructor: their tensors
-  // may be Python's, and dropping the last reference takes the GIL, which a caller can hold while it
-  // waits for this thread (destroy_process_group joins it).
-  std::vector<QueuedTask> finished_;
+  // Tasks the backend's thread ran, released by the next caller, a waiter or the destructor (shm_work.h).
+  std::shared_ptr<FinishedTasks> finished_ = std::make_shared<FinishedTasks>();
   bool stopping_ = false;
   bool running_ = false; // a task is executing, on the backend's thread or a caller's
   std::thread worker_;

@@ -7,11 +7,30 @@
 
 namespace torchpar::comm::shm {
 
-ShmWork::ShmWork(int rank, c10d::OpType type, uint64_t sequence_number, std::vector<at::Tensor> outputs)
+void FinishedTasks::add(std::function<void()> task) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  tasks_.push_back(std::move(task));
+}
+
+void FinishedTasks::release() {
+  std::vector<std::function<void()>> released;  // dropped on return, outside the lock
+  std::lock_guard<std::mutex> lock(mutex_);
+  released.swap(tasks_);
+}
+
+ShmWork::ShmWork(int rank, c10d::OpType type, uint64_t sequence_number, std::vector<at::Tensor> outputs,
+                 std::shared_ptr<FinishedTasks> finished)
     : Work(rank, type),
       sequence_number_(sequence_number),
       outputs_(std::move(outputs)),
+      finished_(std::move(finished)),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {}
+
+bool ShmWork::wait(std::chrono::milliseconds timeout) {
+  const bool done = Work::wait(timeout);
+  if (finished_) finished_->release();
+  return done;
+}
 
 c10::intrusive_ptr<c10::ivalue::Future> ShmWork::getFuture() {
   return future_;
