@@ -1,0 +1,116 @@
+// The parameter server's cost model: workers' round trips to the servers, sparse rows, the servers' load.
+#include <torchpar/plan/cost_terms.h>
+#include <torchpar/ps/wire_format.h>
+
+namespace torchpar::plan {
+
+using namespace terms;
+
+Prediction predict_parameter_server(const ModelProfile& model, const NetworkProfile& idle_network,
+                                    const TrainingSetup& setup, const Configuration& configuration,
+                                    const Calibration& given) {
+  const int servers = configuration.servers;
+  const int workers = configuration.world - servers;
+  const auto calibration = with_contention(model, given, workers, configuration.world);
+  const auto network = under_load(idle_network, given);
+  TORCH_CHECK(servers >= 1 && workers >= 1, configuration.world, " ranks cannot hold ", servers,
+              " server(s) and at least one worker");
+  check_divides(setup.batch, workers, "workers");
+  const int64_t samples = setup.batch / workers;
+  // Embedding tables live on the servers as sparse rows: a worker holds, pulls and pushes only the rows
+  // its samples touch, and its backward makes gradients for those rows alone (the dense layers as before).
+  ModelProfile dense = model;
+  double sparse_table = 0, touched = 0;
+  for (auto& layer : dense.layers) {
+    if (layer.sparse_parameter_bytes <= 0) continue;
+    const double rows = std::min<double>(static_cast<double>(layer.sparse_parameter_bytes),
+                                         static_cast<double>(samples * layer.sparse_bytes_per_sample));
+    const double kept = static_cast<double>(layer.parameter_bytes - layer.sparse_parameter_bytes) + rows;
+    const double share_of_gradient = layer.parameter_bytes > 0 ? kept / static_cast<double>(layer.parameter_bytes) : 0;
+    layer.backward_weight_ms *= share_of_gradient;
+    layer.backward_weight_overhead_ms *= share_of_gradient;
+    layer.parameter_bytes -= layer.sparse_parameter_bytes;
+    sparse_table += static_cast<double>(layer.sparse_parameter_bytes);
+    touched += rows;
+  }
+  const auto parameters = static_cast<double>(dense.parameter_bytes());
+  // Payloads larger than a frame's between ranks of one host go through the channel's ring, behind a
+  // fixed-size frame that still goes through Gloo, with a copy in and a copy out.
+  const auto through_ring = [&](double bytes) {
+    return bytes > static_cast<double>(ps::Frame::kInlineBytes) && bytes <= static_cast<double>(network.ps_ring_bytes);
+  };
+  const auto transfer_ms = [&](double bytes) {
+    return through_ring(bytes) ? network.send_recv.milliseconds(static_cast<double>(ps::Frame::kBytes)) +
+                                     2 * network.copy.ms_per_byte * bytes
+                               : network.send_recv.milliseconds(bytes);
+  };
+  // A server's receive of `bytes` and its answer of as many.
+  const auto both_ways_ms = [&](double bytes) {
+    return through_ring(bytes) ? 2 * transfer_ms(bytes) : network.send_recv.milliseconds(2 * bytes);
+  };
+  // A bucket's round trip: the worker copies its gradients into the push, each server (answering its
+  // part in parallel with the others) applies the optimizer to it and copies its values into the
+  // reply, which the worker copies into its parameters (under BSP the server applies once every worker
+  // pushed: the slowest worker's round trip, which the workers' symmetry makes this one).
+  const auto round_trip_ms = [&](double bytes) {
+    const double part = bytes / servers;
+    return 2 * transfer_ms(part) + network.copy.ms_per_byte * (2 * bytes + part) +
+           setup.optimizer_ms_per_byte * part + calibration.ps_ms_per_byte * bytes;
+  };
+  const auto step = overlapped_step(dense, samples, {static_cast<size_t>(configuration.bucket_bytes)}, calibration,
+                                    0.0, round_trip_ms);
+  // The touched rows: pulled before forward, their gradients pushed (and applied) after backward.
+  const double rows_ms = touched > 0 ? 2 * round_trip_ms(touched) + calibration.ps_rows_ms : 0.0;
+  // Each server receives every worker's push of its share and answers every pull, and applies the
+  // optimizer to its share once per step (synchronous) or per push (asynchronous); and the same for the
+  // rows each worker touched.
+  const double share = parameters / servers;
+  const double rows_share = touched / servers;
+  const double server_ms =
+      workers * (both_ways_ms(share) + both_ways_ms(rows_share) +
+                 (network.copy.ms_per_byte + calibration.ps_ms_per_byte) * (share + rows_share)) +
+      setup.optimizer_ms_per_byte * (share * (configuration.synchronous ? 1 : workers) + rows_share * workers);
+  const double worker_ms = step.forward_ms + step.finish_ms + rows_ms;
+  Prediction prediction;
+  prediction.configuration = configuration;
+  prediction.compute_ms = step.forward_ms + step.backward_ms;
+  prediction.step_ms = std::max(worker_ms, server_ms) + calibration.per_step_ms + calibration.ps_per_step_ms;
+  prediction.exposed_comm_ms = prediction.step_ms - prediction.compute_ms;
+  // Measured (docs/planner.md): a worker holds its parameters, their gradients, the buffer the pulled
+  // values land in and the replies (and of the rows it touched, the rows, their gradients and the
+  // reply); a server its share, the optimizer's state, each worker's push and the round's copy of it,
+  // the workers' mean, and Adam's temporaries — and its part of the tables with their state (every row
+  // some batch touches, at most the whole table). Between ranks of one host both ends also map the
+  // pages of both rings of each channel that the payloads in flight touched (every bucket at once, at
+  // most the ring).
+  const auto channel_pages = [&](double bytes) { return through_ring(bytes) ? 2 * bytes : 0.0; };
+  MemoryBreakdown worker;
+  worker.add("parameters", parameters);
+  worker.add("gradients", parameters);
+  worker.add("pulled values' buffer", parameters);
+  worker.add("servers' replies", parameters);
+  worker.add("sparse rows touched (rows, gradients, reply)", 3 * touched);
+  worker.add("activations", static_cast<double>(all_activation_bytes(model, samples)));
+  worker.add("parameter server rings' pages", servers * channel_pages((parameters + touched) / servers), false);
+  worker.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
+  add_host_lines(worker, network.host_memory, retained(model, parameters));
+  MemoryBreakdown server;
+  server.add("its share of the parameters", share);
+  server.add("optimizer state", share * setup.optimizer_state_factor);
+  server.add("workers' pushes, kept until answered, and the round's copies", 2 * workers * share);
+  if (workers > 1) server.add("the workers' mean", share);
+  if (setup.optimizer_state_factor >= 2) server.add("Adam's temporaries", 2 * share);
+  server.add("its part of the sparse tables, with optimizer state",
+             sparse_table / servers * (1 + setup.optimizer_state_factor));
+  server.add("workers' pushes of sparse rows", 2 * workers * rows_share);
+  server.add("parameter server rings' pages", workers * channel_pages(share + rows_share), false);
+  add_host_lines(server, network.host_memory, 0.0);  // it runs no training loop
+  prediction.memory = worker.total() >= server.total() ? std::move(worker) : std::move(server);
+  settle_memory(prediction);
+  prediction.bytes_per_step = static_cast<int64_t>(std::max(2 * (parameters + touched),
+                                                            2 * (share + rows_share) * workers));
+  prediction.samples_per_second = static_cast<double>(setup.batch) * 1000.0 / prediction.step_ms;
+  return prediction;
+}
+
+} // namespace torchpar::plan
