@@ -12,6 +12,7 @@
 #include <torchpar/pipeline/partition.h>
 #include <torchpar/pipeline/pipeline.h>
 #include <torchpar/pipeline/simulator.h>
+#include <torchpar/plan/plan_on_ranks.h>
 #include <torchpar/plan/planner.h>
 #include <torchpar/plan/profile.h>
 #include <torchpar/ps/embedding.h>

@@ -5,6 +5,7 @@
 //   torchrun --nproc-per-node=2 --no-python build/examples/cpp/train_pipeline [--data data/digits.pt]
 //            [--epochs 30] [--lr 0.05] [--batch-size 64] [--microbatches 4] [--schedule 1f1b]
 //            [--checkpoint-dir ckpt [--checkpoint-every 50]]   (each rank saves its stage; resumes after a restart)
+//            [--plan 2MiB]   (the planner picks the schedule, micro-batches and cut within 2 MiB per rank; 0: no cap)
 //
 // Each rank builds only its own stage's layers. Rank 0 shows per-epoch progress; the last stage's
 // rank prints the held-out accuracy; every rank exits with status 1 if it is below 95%.
@@ -43,7 +44,19 @@ struct Arguments {
   std::string schedule = "1f1b";
   std::string checkpoint_dir;
   int64_t checkpoint_every = 50;
+  std::optional<int64_t> plan_memory_per_rank;  // --plan: the planner's cap (0: none)
 };
+
+// "2MiB", "512KiB", "1000000" as bytes.
+int64_t parse_bytes(const std::string& text) {
+  size_t end = 0;
+  const double number = std::stod(text, &end);
+  const std::string unit = text.substr(end);
+  const double scale = unit.empty() || unit == "B" ? 1 : unit == "KiB" ? 1 << 10 : unit == "MiB" ? 1 << 20
+                       : unit == "GiB" ? 1 << 30 : -1;
+  if (scale < 0 || number < 0) throw std::invalid_argument("--plan " + text + ": a size such as 2MiB, 512KiB or 0");
+  return static_cast<int64_t>(number * scale);
+}
 
 Arguments parse(int argc, char** argv) {
   Arguments arguments;
@@ -69,10 +82,12 @@ Arguments parse(int argc, char** argv) {
       arguments.checkpoint_dir = value;
     } else if (flag == "--checkpoint-every") {
       arguments.checkpoint_every = std::stoll(value);
+    } else if (flag == "--plan") {
+      arguments.plan_memory_per_rank = parse_bytes(value);
     } else {
       throw std::invalid_argument("unknown option " + flag +
                                   " (--data, --epochs, --lr, --batch-size, --microbatches, --schedule, "
-                                  "--checkpoint-dir, --checkpoint-every)");
+                                  "--checkpoint-dir, --checkpoint-every, --plan)");
     }
   }
   return arguments;
@@ -117,14 +132,36 @@ int main(int argc, char** argv) {
   const int world = group->getSize();
   const auto [train_x, train_y, test_x, test_y] = load_digits(arguments.data);
 
+  auto options = torchpar::pipeline::PipelineOptions().process_group(group);
+  if (arguments.plan_memory_per_rank) {
+    // The planner profiles the layers and this group, and picks among the pipelines the fastest that fits.
+    namespace plan = torchpar::plan;
+    plan::TrainingSetup setup;
+    setup.batch = arguments.batch_size;
+    plan::PlannedOnRanks planned;
+    try {
+      planned = plan::plan_on_ranks(
+          group, mlp_layers(), {train_x.narrow(0, 0, arguments.batch_size / world)},
+          plan::PlanOptions().memory_per_rank(*arguments.plan_memory_per_rank).microbatches({1, 2, 4, 8})
+              .data_parallel(false).sharded(false).parameter_server(false).tensor_parallel(false),
+          setup);
+    } catch (const c10::Error& error) {
+      std::cerr << "train_pipeline: " << error.what_without_backtrace() << std::endl;
+      return 2;
+    }
+    if (rank == 0) {
+      std::cerr << plan::render_table(planned.plan) << "memory per rank of the pick (its fullest rank):\n"
+                << planned.plan.ranked.front().memory.render();
+    }
+    arguments.schedule = torchpar::pipeline::schedule_name(planned.chosen.schedule);
+    arguments.microbatches = planned.chosen.microbatches;
+    options.virtual_stages(planned.chosen.virtual_stages).balance(planned.chosen.balance);
+  }
   torchpar::pipeline::Pipeline pipe(
       mlp_layers(), [](const torchpar::pipeline::Tensors& outputs, const at::Tensor& target) {
         return at::cross_entropy_loss(outputs[0], target);
       },
-      torchpar::pipeline::PipelineOptions()
-          .process_group(group)
-          .schedule(arguments.schedule)
-          .microbatches(arguments.microbatches));
+      options.schedule(arguments.schedule).microbatches(arguments.microbatches));
   if (rank == 0) {
     std::cerr << "partition:\n" << pipe.partition_report();
   }

@@ -64,6 +64,26 @@ def test_cpp_train_pipeline_reaches_95_percent(build_dir, digits, free_port, ran
     assert pipeline_accuracy(result.stdout, ranks, stages) >= 95.0
 
 
+def test_cpp_train_pipeline_plans_then_trains_the_pick(build_dir, digits, free_port):
+    """--plan: torchpar::plan::plan_on_ranks profiles the layers and the group from C++, every rank trains the
+    pipeline ranked first (its schedule, micro-batches and cut); a cap no pipeline meets stops every rank."""
+    binary = build_dir / "examples" / "cpp" / "train_pipeline"
+    result = torchrun("--nproc-per-node=2", f"--master-port={free_port}", "--no-python", binary, "--data", digits,
+                      "--plan", "0")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert pipeline_accuracy(result.stdout, 2, 2) >= 95.0
+    top = re.search(r"^  1 \| pipeline (\w+), 2 stages, (\d+) micro-batch(?:es)?, cut (\d+) (\d+) ", output, re.MULTILINE)
+    assert top, output
+    assert f"schedule {top[1]}, {top[2]} micro-batches" in result.stdout, output
+    assert f"stage 0: layers 0-{int(top[3]) - 1} ({top[3]} layer" in output, output  # the planned cut
+    assert "pipeline rings' pages" in output  # the pick's memory, line by line
+    capped = torchrun("--nproc-per-node=2", f"--master-port={free_port + 1}", "--no-python", binary, "--data", digits,
+                      "--plan", "1MiB")
+    assert capped.returncode != 0
+    assert "no configuration of 2 ranks fits" in capped.stderr and "over the 1.0 MiB cap" in capped.stderr, capped.stderr
+
+
 @pytest.mark.parametrize("ranks,options,stages", [
     (2, ["--schedule", "1f1b"], 2),
     (4, ["--schedule", "interleaved", "--virtual-stages", "2"], 8),  # 8 layers: one per virtual stage
