@@ -93,7 +93,7 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
   double slowest_extra = 0;
   for (int rank = 0; rank < spec.ranks; ++rank) {
     int64_t parameters = 0, activations = 0, sent = 0, largest_message = 0;
-    double compute = 0;
+    double compute = 0, temporaries = 0;
     std::set<int> neighbours;  // the stage ranks this one exchanges activations and gradients with
     for (int stage = rank; stage < stages; stage += spec.ranks) {
       const auto begin = bounds[static_cast<size_t>(stage)], end = bounds[static_cast<size_t>(stage) + 1];
@@ -104,6 +104,7 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
         sent += static_cast<int64_t>(spec.microbatches * split.moved_bytes);
       }
       activations = std::max(activations, activation_bytes(model, micro, begin, end));
+      temporaries = std::max(temporaries, backward_temporaries(model, micro, begin, end));
       const auto& cost = costs[static_cast<size_t>(stage)];
       compute += spec.microbatches * (cost.forward + cost.backward);
       const int64_t boundary = at_samples(model.layers[static_cast<size_t>(end - 1)].output_bytes, micro, model);
@@ -139,11 +140,6 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
                    2 * neighbours.size() * static_cast<size_t>(ring_pages(
                        host.stage_ring_bytes, static_cast<double>(spec.microbatches * largest_message)))),
                false);
-    double temporaries = 0;
-    for (int stage = rank; stage < stages; stage += spec.ranks) {
-      temporaries = std::max(temporaries, backward_temporaries(model, micro, bounds[static_cast<size_t>(stage)],
-                                                               bounds[static_cast<size_t>(stage) + 1]));
-    }
     memory.add("backward's temporaries (beyond freed activations)", temporaries);
     add_host_lines(memory, host, retained(model, whole));
     if (memory.total() > prediction.memory.total()) prediction.memory = std::move(memory);

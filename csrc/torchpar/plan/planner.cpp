@@ -71,11 +71,10 @@ bool better_under_cap(const Prediction& a, const Prediction& b, int64_t cap) {
 // Where every cut is too many to try, for a pipeline of one stage per rank without tensor groups: the cut that
 // minimises the slowest stage's time (the layers' profiled times) among those whose every stage's tensors
 // (parameters, gradients, replicas' buckets, optimizer state, and the activations each rank holds in the
-// schedule, simulated at equal costs) fit `tensor_cap`; where none fits, the one least over it. By dynamic
+// schedule, simulated at equal costs) fit `cap` (0: none); where none fits, the one least over it. By dynamic
 // programming over (stage, layers so far).
 std::vector<int64_t> fastest_fitting_cut(const ModelProfile& model, const TrainingSetup& setup,
-                                         const Configuration& configuration, int64_t tensor_cap) {
-  const int64_t cap = tensor_cap;
+                                         const Configuration& configuration, int64_t cap) {
   pipeline::ScheduleSpec spec;
   spec.kind = configuration.schedule;
   spec.ranks = configuration.world / configuration.replicas;

@@ -29,8 +29,8 @@ from torchpar.plan.model import OPTIMIZER_STATE, Model, load_model
 from torchpar.plan.tensor_split import splittable_linear
 
 __all__ = ["Calibration", "Model", "calibration_sample", "default_calibration", "learn_calibration",
-           "load_calibration", "load_model", "measure_model_pass", "measure_network", "plan", "predict_step_ms",
-           "profile", "render_table"]
+           "load_calibration", "load_model", "measure_heap_retention", "measure_model_pass", "measure_network", "plan",
+           "predict_step_ms", "profile", "render_table"]
 
 render_table = _engine.render_table
 
@@ -48,8 +48,8 @@ def profile(model: Model, batch: int, repeats: int = 5):
     """Each layer's forward, backward (input and weight parts), parameter, activation and output bytes at
     `batch` samples (and its backward's temporaries, where CPU allocations are counted), the first layer's
     embedding tables (which a parameter server can hold as sparse rows), the Linear layers a tensor group can
-    split, glibc's retention in the model's training (:func:`measure_heap_retention`), and the optimizer's time
-    per parameter byte: (ModelProfile, ms per byte)."""
+    split, and the optimizer's time per parameter byte: (ModelProfile, ms per byte). glibc's retention in the
+    model's training is :func:`measure_heap_retention`'s, set apart (the planner's probes profile too)."""
     factories, inputs = _engine_model(model, batch)
     model_profile, optimizer_ms_per_byte = _engine.profile_layers(factories, inputs, repeats,
                                                                   OPTIMIZER_STATE[model.optimizer])
@@ -61,7 +61,6 @@ def profile(model: Model, batch: int, repeats: int = 5):
         if linear is not None:
             layer.in_features, layer.out_features = linear.in_features, linear.out_features
     model_profile.layers = layers
-    model_profile.heap_retention_bytes = measure_heap_retention(model, batch)
     return model_profile, optimizer_ms_per_byte
 
 

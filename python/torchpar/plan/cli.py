@@ -177,6 +177,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     if rank == 0:
         logger.info("profiling %s (%d layers) at %d samples per rank", args.model, len(model.layers), per_rank)
         model_profile, optimizer_ms_per_byte = planner.profile(model, per_rank)
+        model_profile.heap_retention_bytes = planner.measure_heap_retention(model, per_rank)
     dist.barrier(group=control)
     passes = planner.measure_model_pass(model, per_rank, control)
     network = planner.measure_network(group)
