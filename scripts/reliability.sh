@@ -22,7 +22,7 @@ run() {
   echo "--- $((SECONDS - start)) s"
 }
 run "PyTorch's distributed suite on gloo and shm (tests/peer)" python3 tests/peer/run.py
-run "chaos: ranks killed and frozen at random (tests/chaos)" python3 tests/chaos/run.py --trials "${CHAOS_TRIALS:-20}"
+run "chaos: ranks killed and frozen at random (tests/chaos)" python3 tests/chaos/run.py --trials "${CHAOS_TRIALS:-12}"
 run "soak: parameter server and shm under load (tests/soak)" python3 tests/soak/run.py --seconds "${SOAK_SECONDS:-60}"
 printf '%s\n' "${summary[@]}"
 exit $status
