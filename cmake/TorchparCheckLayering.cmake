@@ -13,7 +13,7 @@ set(allowed_pipeline common comm pipeline)
 set(allowed_ps common comm ps)
 set(allowed_tensor_parallel common comm tensor_parallel)
 set(allowed_checkpoint common comm checkpoint)
-set(allowed_plan common comm ddp pipeline ps tensor_parallel plan)
+set(allowed_plan common comm ddp pipeline ps sharded tensor_parallel plan)
 
 file(GLOB_RECURSE sources RELATIVE "${TORCHPAR_SOURCE_ROOT}/torchpar"
      "${TORCHPAR_SOURCE_ROOT}/torchpar/*.h" "${TORCHPAR_SOURCE_ROOT}/torchpar/*.cpp")

@@ -2,8 +2,9 @@
 # The main job, as a user runs it: the all-reduce examples under torchrun, C++ and Python, on one
 # node and as two nodes of two ranks forming one world of four; then the planner on the digits MLP and
 # the training examples with every strategy, ending with one table (scripts/demo_strategies.py); last, sharded data
-# parallelism training a model under a memory cap that DDP would exceed (ZeRO stage 3 under one that stage 2 would
-# exceed too), and stage 1 refused (examples/python/train_sharded.py is the same program).
+# parallelism training a model whose peak per rank stays under a memory cap that DDP's would exceed (ZeRO stage 3
+# under one that stage 2's would exceed too), and stage 1 refused (examples/python/train_sharded.py is the same
+# program).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 demo=build/examples/cpp/allreduce_demo
@@ -26,12 +27,12 @@ python3 -m torchpar.plan --model torchpar.plan.examples:digits_deep_mlp --batch 
   sed -n '/  # |/,/^excluded/p' | head -8
 echo; echo "\$ python3 scripts/demo_strategies.py   # train with every strategy (examples/, C++ and Python), one table"
 python3 scripts/demo_strategies.py
-echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 2 --memory-per-rank 48MiB   # ZeRO-2 under a cap DDP exceeds"
-torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 2 --memory-per-rank 48MiB 2>&1 |
+echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 3 --memory-per-rank 56MiB   # ZeRO-3 at a peak DDP and ZeRO-2 exceed"
+torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 3 --memory-per-rank 56MiB 2>&1 |
   grep -v "OMP_NUM_THREADS\|^W.*run.py"
-echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 3 --memory-per-rank 24MiB   # ZeRO-3 under a cap ZeRO-2 exceeds"
-torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 3 --memory-per-rank 24MiB 2>&1 |
+echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 2 --memory-per-rank 80MiB   # ZeRO-2 at a peak DDP exceeds"
+torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 2 --memory-per-rank 80MiB 2>&1 |
   grep "^train_sharded"
-echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 1 --memory-per-rank 48MiB   # refused: exit status 2"
-torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 1 --memory-per-rank 48MiB 2>&1 |
+echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 1 --memory-per-rank 80MiB   # refused: exit status 2"
+torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 1 --memory-per-rank 80MiB 2>&1 |
   grep "^train_sharded" || true

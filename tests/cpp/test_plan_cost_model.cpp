@@ -96,9 +96,10 @@ TEST_CASE("plan: sharded data parallelism's stages on 2 ranks with known link co
   CHECK(stage2.configuration.describe() == "sharded zero-2, 2 replicas");
   CHECK(stage2.step_ms == Approx(13));
   CHECK(stage2.exposed_comm_ms == Approx(4.5 + 4.5));
-  // The whole parameters (4 MiB); the shard (2 MiB), its momentum and averaged gradient (2 MiB each); the one
-  // bucket's gradients (4 MiB) and their flat copy for the reduce-scatter with its output (4 + 2 MiB); activations.
-  CHECK(stage2.memory_per_rank == 20 * kMiB + 800);
+  // The whole parameters (4 MiB), the shard and its momentum (2 MiB each); the one bucket's gradients (4 MiB) as
+  // they are copied into its flat input (4 MiB), as much as that input, its reduced piece and the last layer's
+  // gradients, alive until the hook that sends the bucket returns (4 + 2 + 2 MiB); activations.
+  CHECK(stage2.memory_per_rank == 16 * kMiB + 800);
   CHECK(stage2.tensor_memory_per_rank == stage2.memory_per_rank);  // no shm group, no heap or process lines
   std::string lines;
   for (const auto& line : stage2.memory.lines) lines += line.what + "\n";
@@ -107,16 +108,36 @@ TEST_CASE("plan: sharded data parallelism's stages on 2 ranks with known link co
   sharded.zero_stage = 1;
   const auto stage1 = plan::predict(model, net, batch_of(8), sharded);
   CHECK(stage1.step_ms == Approx(13));
-  CHECK(stage1.memory_per_rank == 20 * kMiB + 800);  // every gradient: with one bucket, as stage 2 at its launch
+  // Every gradient kept (4 MiB), the bucket's flat input, its output and the shard's averaged gradient (4 + 2 + 2).
+  CHECK(stage1.memory_per_rank == 20 * kMiB + 800);
   // Stage 3: each layer a unit, reduce-scattered as its backward ends (1 - 3.5, 3.5 - 6 ms), each gathered before
   // its forward and its backward (4 x 2.5 ms, exposed): 2 + 6 + 10.
   sharded.zero_stage = 3;
   const auto stage3 = plan::predict(model, net, batch_of(8), sharded);
   CHECK(stage3.step_ms == Approx(18));
-  // The shard, its gradient and momentum (6 MiB), the layer at work gathered with its gradient (2 x 2 MiB), its
-  // reduce-scatter's copy and output (2 + 1 MiB).
-  CHECK(stage3.memory_per_rank == 13 * kMiB + 800);
+  // The shard and its momentum (4 MiB); as backward ends both layers' reduce-scatters in flight (2 x (2 + 1) MiB)
+  // and the shard's averaged gradient (2 MiB) made as the first is waited for (each layer's parameters are freed
+  // as its gradients go).
+  CHECK(stage3.memory_per_rank == 12 * kMiB + 800);
   CHECK(stage3.bytes_per_step == 6 * kMiB);  // 1.5x DDP's
+  {
+    // Ten layers of 1 MiB: as a layer goes out (its gradients, flat input and piece, 1 + 1.5 MiB) two before it are
+    // still in flight (2 x 1.5 MiB) until the oldest is waited for, the earlier ones done: backward adds 5.5 MiB,
+    // the shard's averaged gradient (5 MiB) and the activations to the shard and its momentum (2 x 5 MiB). Over
+    // Gloo each in flight also holds a clone of its input (3 MiB more). With Adam the step's temporaries on the
+    // shard (2 x 5 MiB, beside its gradient) outgrow backward.
+    const auto ten = equal_layers(10, kMiB);
+    CHECK(plan::predict(ten, net, batch_of(8), sharded).tensor_memory_per_rank == 20 * kMiB + kMiB / 2 + 4000);
+    auto over_gloo = net;
+    over_gloo.reduce_scatter_clones_input = true;
+    CHECK(plan::predict(ten, over_gloo, batch_of(8), sharded).tensor_memory_per_rank ==
+          23 * kMiB + kMiB / 2 + 4000);
+    const auto adam = plan::predict(ten, net, batch_of(8, 2), sharded);
+    CHECK(adam.tensor_memory_per_rank == 30 * kMiB);
+    std::string adam_lines;
+    for (const auto& line : adam.memory.lines) adam_lines += line.what + "\n";
+    CHECK_THAT(adam_lines, Contains("the optimizer step's temporaries (on the shard)"));
+  }
   // Beside a same-host Gloo group, through the shm group DDP's buckets use: half its all-reduce each (0.5 ms +
   // 0.5 ms per MiB here, against 1 ms per MiB through the group): 2 + 4 + 4 x 1.5.
   net.ddp_all_reduce = plan::LinkCost{0.5, 1.0 / kMiB};

@@ -77,6 +77,7 @@ void bind_plan(py::module_& module) {
       .def_readwrite("stage_transfer", &plan::NetworkProfile::stage_transfer)
       .def_readwrite("ddp_all_reduce", &plan::NetworkProfile::ddp_all_reduce)
       .def_readwrite("ddp_in_place", &plan::NetworkProfile::ddp_in_place)
+      .def_readwrite("reduce_scatter_clones_input", &plan::NetworkProfile::reduce_scatter_clones_input)
       .def_readwrite("ps_ring_bytes", &plan::NetworkProfile::ps_ring_bytes)
       .def_readwrite("host_memory", &plan::NetworkProfile::host_memory);
   py::class_<plan::Calibration>(m, "Calibration")
@@ -105,6 +106,8 @@ void bind_plan(py::module_& module) {
       .def(py::init<>())
       .def_readwrite("strategy", &plan::Configuration::strategy)
       .def_readwrite("world", &plan::Configuration::world)
+      .def_readwrite("first_bucket_bytes", &plan::Configuration::first_bucket_bytes)
+      .def_readwrite("bucket_bytes", &plan::Configuration::bucket_bytes)
       .def_readwrite("replicas", &plan::Configuration::replicas)
       .def_readwrite("tensor", &plan::Configuration::tensor)
       .def_property(

@@ -87,6 +87,9 @@ struct NetworkProfile {
   // DDP averages the gradients where they lie (its buckets go through an shm group: ddp.md), without
   // copying them into the buckets and back.
   bool ddp_in_place = false;
+  // The sharded engine's reduce-scatters go through Gloo itself (no shm group beside it): torch's Gloo clones the
+  // input and all-reduces the clone, which the op holds until it is waited for.
+  bool reduce_scatter_clones_input = false;
   // Every rank on one host: the parameter server's payloads up to this many bytes go through its
   // shared-memory rings (ps/payload_ring.h: a Gloo frame, a copy in and a copy out); 0: through Gloo.
   int64_t ps_ring_bytes = 0;

@@ -1,9 +1,55 @@
 // Sharded data parallelism's cost model (ZeRO stages 1-3 of sharded/sharded_coordinator.h).
 #include <torchpar/plan/cost_terms.h>
+#include <torchpar/sharded/options.h>
 
 namespace torchpar::plan {
 
 using namespace terms;
+
+namespace {
+
+// Backward's fullest moment for the reduce-scatters (sharded_coordinator.cpp). When a bucket's last gradient arrives
+// its hook copies the bucket's gradients into a flat input (at stages 2-3 each gradient is dropped once copied, but
+// the last one lives until the hook returns), issues the reduce-scatter (its reduced piece beside it, and over Gloo
+// a clone of the input), then, with more than kReductionsInFlight in flight, waits for the oldest and adds its piece
+// into the shard's averaged gradient, which the first such wait makes (zero_grad drops it each step; a backward of
+// few buckets makes it only as it ends, every bucket in flight). Stage 1 keeps every gradient (a line of its own).
+// `step`'s buckets are in the order they go out.
+struct ReductionPeak {
+  double gradients = 0;
+  double buffers = 0;
+  bool shard_gradient = false;  // made by then
+};
+
+ReductionPeak fullest_reduction(const OverlappedStep& step, int world, int stage, double shard, bool clones_input) {
+  constexpr size_t kWindow = sharded::kReductionsInFlight;
+  const auto& buckets = step.bucket_bytes;
+  const double in_flight_per_byte = 1.0 + 1.0 / world + (clones_input ? 1.0 : 0.0);
+  const auto in_flight = [&](size_t begin, size_t end) {
+    double bytes = 0;
+    for (size_t i = begin; i < end; ++i) bytes += buckets[i] * in_flight_per_byte;
+    return bytes;
+  };
+  const auto bytes = [shard](const ReductionPeak& p) {
+    return p.gradients + p.buffers + (p.shard_gradient ? shard : 0.0);
+  };
+  ReductionPeak fullest;
+  const auto consider = [&](const ReductionPeak& now) {
+    if (bytes(now) > bytes(fullest)) fullest = now;
+  };
+  for (size_t j = 0; j < buckets.size(); ++j) {
+    const size_t oldest = j > kWindow ? j - kWindow : 0;
+    if (stage >= 2) {
+      consider({buckets[j], buckets[j] + in_flight(oldest, j), j > kWindow});  // copying: every gradient still there
+    }
+    const bool waits = j >= kWindow;
+    consider({stage >= 2 ? step.bucket_last_bytes[j] : 0.0, in_flight(waits ? j - kWindow : 0, j + 1), waits});
+  }
+  if (!buckets.empty() && buckets.size() <= kWindow) consider({0.0, in_flight(0, buckets.size()), true});
+  return fullest;
+}
+
+} // namespace
 
 Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& idle_network, const TrainingSetup& setup,
                            const Configuration& configuration, const Calibration& given) {
@@ -46,27 +92,40 @@ Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& idle
   prediction.exposed_comm_ms = step.finish_ms - step.backward_ms + gather_ms;
   prediction.step_ms = step.forward_ms + step.finish_ms + gather_ms + setup.optimizer_ms_per_byte * shard +
                        calibration.per_step_ms;
-  // The engine (sharded/sharded_coordinator.cpp): the parameters (stages 1-2: whole, as views of flat buckets;
-  // stage 3: the unit at work, gathered — CPU ranks prefetch none); the shard's flat copy (the optimizer's
-  // parameters), its averaged gradient and the optimizer's state on it; the gradients autograd makes (stage 1
-  // keeps them all, stage 2 until their bucket is copied for its reduce-scatter, stage 3 the unit's); and the
-  // reduce-scatters' flat copies in flight (up to three buckets, stage 3 the unit's) with their outputs.
-  const double bucket = stage == 3 ? largest_layer : std::min(parameters, largest(step.bucket_bytes));
-  const double in_flight = stage == 3 ? largest_layer : std::min(parameters, 3 * bucket);
+  // The engine (sharded/sharded_coordinator.cpp) at its fullest moment, in backward or in the optimizer's step.
+  // Always: the parameters at stages 1-2 (whole, views of flat buckets); the shard's flat copy (the optimizer's
+  // parameters), its averaged gradient and the optimizer's state on it; stage 1's local gradients (kept until
+  // zero_grad). In backward: the buckets being reduce-scattered (stage 3: a unit each; its parameters are freed as
+  // its gradients go, before the next unit is gathered — CPU ranks prefetch none), the activations and backward's
+  // temporaries. In the step: the optimizer's temporaries on the shard (one flat tensor).
+  const auto reduction = apart ? fullest_reduction(step, world, stage, shard, network.reduce_scatter_clones_input)
+                                : ReductionPeak{};
+  const double step_temporaries = optimizer_step_temporaries(setup) * shard;
+  const double backward_transient = reduction.gradients + reduction.buffers + (reduction.shard_gradient ? shard : 0.0) +
+                                    static_cast<double>(all_activation_bytes(model, samples)) +
+                                    backward_temporaries(model, samples);
+  const bool in_step = step_temporaries + shard > backward_transient;
   auto& memory = prediction.memory;
-  memory.add(stage == 3 ? "parameters (the unit at work, gathered)" : "parameters", stage == 3 ? largest_layer : parameters);
+  if (stage <= 2) memory.add("parameters", parameters);
   memory.add("the shard (the optimizer's parameters)", shard);
   memory.add("optimizer state (on the shard)", shard * setup.optimizer_state_factor);
-  memory.add("the shard's averaged gradient", shard);
-  memory.add(stage == 1 ? "gradients" : stage == 2 ? "gradients (a bucket's, until copied)" : "gradients (the unit's)",
-             stage == 1 ? parameters : bucket);
-  if (apart) memory.add("reduce-scatter buffers in flight", in_flight * (1 + 1.0 / world));
-  memory.add("activations", static_cast<double>(all_activation_bytes(model, samples)));
+  if (stage == 1) memory.add("gradients", parameters);
+  if (in_step || reduction.shard_gradient) memory.add("the shard's averaged gradient", shard);
+  if (in_step) {
+    memory.add("the optimizer step's temporaries (on the shard)", step_temporaries);
+  } else {
+    memory.add(stage == 2 ? "gradients (a bucket's, until reduce-scattered)"
+                          : "gradients (the unit's, until reduce-scattered)",
+               reduction.gradients);
+    memory.add("reduce-scatter buffers in flight", reduction.buffers);
+    memory.add("activations", static_cast<double>(all_activation_bytes(model, samples)));
+    memory.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
+  }
+  const double bucket = stage == 3 ? largest_layer : std::min(parameters, largest(step.bucket_bytes));
   if (apart) {
     memory.add("shm group's segment (the collectives)",
                static_cast<double>(shm_segment_pages(network.host_memory.shm_chunk_bytes, world, bucket)), false);
   }
-  memory.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
   if (stage == 3) {
     // A model built whole is sharded unit by unit as it is wrapped: the whole parameters, the shard and one unit's
     // flat tensor at once, which may exceed what training holds.

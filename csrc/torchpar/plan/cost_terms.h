@@ -98,6 +98,7 @@ struct OverlappedStep {
   double backward_ms = 0;
   double finish_ms = 0;  // backward end or the last bucket's end, whichever is later (after forward)
   std::vector<double> bucket_bytes;  // each non-empty bucket's, in the order they go out
+  std::vector<double> bucket_last_bytes;  // each one's layer whose gradients come last (its hook sends the bucket)
 };
 
 template <typename BucketCost>
@@ -120,13 +121,15 @@ inline OverlappedStep overlapped_step(const ModelProfile& model, int64_t samples
   for (const auto& layer : model.layers) parameters.push_back({static_cast<size_t>(layer.parameter_bytes)});
   std::vector<double> bucket_ready, bucket_cost_ms;
   for (const auto& bucket : assign_buckets(parameters, reverse_registration_order(layers), caps)) {
-    double bytes = 0, at = 0;
+    double bytes = 0, at = 0, last = 0;
     for (size_t index : bucket) {
       bytes += static_cast<double>(parameters[index].bytes);
+      if (ready[index] >= at && parameters[index].bytes > 0) last = static_cast<double>(parameters[index].bytes);
       at = std::max(at, ready[index]);
     }
     if (bytes == 0) continue;
     step.bucket_bytes.push_back(bytes);
+    step.bucket_last_bytes.push_back(last);
     bucket_ready.push_back(at);
     bucket_cost_ms.push_back(bucket_cost(bytes));
   }
@@ -182,6 +185,14 @@ inline double backward_temporaries(const ModelProfile& model, int64_t samples, i
     freed += at_samples(profile.activation_bytes, samples, model);
   }
   return static_cast<double>(most);
+}
+
+// The temporaries an optimizer step makes per byte of the tensor it steps at once (profile.h's convention: Adam
+// where its state is 2 bytes per parameter byte or more, else SGD with momentum): Adam's denominator is the square
+// root of its second moment, then divided by the bias correction (two tensors alive at once); SGD's update is in
+// place. torch.optim's single-tensor Adam (CPU's default) and LibTorch's make the same.
+inline double optimizer_step_temporaries(const TrainingSetup& setup) {
+  return setup.optimizer_state_factor >= 2 ? 2.0 : 0.0;
 }
 
 // memory_per_rank and tensor_memory_per_rank from the breakdown.

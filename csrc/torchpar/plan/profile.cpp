@@ -230,6 +230,7 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
                                const std::vector<int64_t>& sizes_bytes, int repeats) {
   NetworkProfile network;
   if (group->getSize() < 2) return network;
+  network.reduce_scatter_clones_input = group->getBackendName() == "gloo";
   const int rank = group->getRank();
   // The slowest rank's time: every rank's median, maximised over the group.
   const auto slowest = [&](double mine) {

@@ -7,11 +7,17 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <cstddef>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace torchpar::sharded {
+
+// The reduce-scatters a backward keeps in flight before it waits for the oldest, each holding its bucket's
+// gradients in one flat tensor and its reduced piece: more would hold most of the gradients again at stage 2
+// (the planner's memory model counts them).
+inline constexpr size_t kReductionsInFlight = 2;
 
 struct ShardedOptions {
   // The data-parallel group the state is sharded over (required).

@@ -26,9 +26,6 @@ namespace {
 // this (or one tensor): at torch DDP's 250 MiB, wrapping a model for stage 3 held a copy of it whole beside it
 // (deep MLP of 8 MiB on 4 ranks: a 15.8 MiB peak, against 10.3 for wrapping and training).
 constexpr size_t kBroadcastBucketBytes = 1u << 20;
-// Buckets whose reduce-scatter may be in flight at once: each holds its gradients' flat copy, so at
-// stage 2 more would hold most of the gradients again.
-constexpr size_t kBucketsInFlight = 2;
 
 // The base-tensor collectives under their pre-2.13 names, which every supported torch has.
 #pragma GCC diagnostic push
@@ -252,7 +249,7 @@ void ShardedCoordinator::launch(size_t index) {
   auto work = reduce_scatter(group, output, input);
   bytes_sent_ += bucket.piece_numel * (group.getSize() - 1) * static_cast<int64_t>(input.element_size());
   in_flight_.push_back({index, std::move(input), std::move(output), std::move(work)});
-  if (in_flight_.size() > kBucketsInFlight) {
+  if (in_flight_.size() > kReductionsInFlight) {
     complete_oldest();
   }
 }

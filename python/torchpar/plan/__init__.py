@@ -9,6 +9,7 @@ From Python::
     network = torchpar.plan.measure_network(group)                               # every rank
     result = torchpar.plan.plan(model, profile, network, batch=64, world=4, optimizer_ms_per_byte=...)
     print(torchpar.plan.render_table(result)); print(result.recommended_python)
+    memory = torchpar.plan.predict_memory(model, profile, configuration, batch=64)   # one configuration's peak
 
 The cost model and the search are C++ (``torchpar::plan``, the same from LibTorch programs); see
 docs/planner.md for what each prediction counts.
@@ -28,11 +29,14 @@ from torchpar.plan.embeddings import sparse_tables
 from torchpar.plan.model import OPTIMIZER_STATE, Model, load_model
 from torchpar.plan.tensor_split import splittable_linear
 
-__all__ = ["Calibration", "Model", "calibration_sample", "default_calibration", "learn_calibration",
-           "load_calibration", "load_model", "measure_heap_retention", "measure_model_pass", "measure_network", "plan",
-           "predict_step_ms", "profile", "render_table"]
+__all__ = ["Calibration", "Configuration", "Model", "NetworkProfile", "Strategy", "calibration_sample", "default_calibration",
+           "learn_calibration", "load_calibration", "load_model", "measure_heap_retention", "measure_model_pass",
+           "measure_network", "plan", "predict_memory", "predict_step_ms", "profile", "render_table"]
 
 render_table = _engine.render_table
+Configuration = _engine.Configuration
+NetworkProfile = _engine.NetworkProfile
+Strategy = _engine.Strategy
 
 
 def _engine_model(model: Model, batch: int):
@@ -119,6 +123,7 @@ def measure_network(group: Optional[dist.ProcessGroup] = None,
     if data_group is not None:
         network.ddp_all_reduce = _engine.measure_network(data_group, list(sizes_bytes), repeats).all_reduce
     network.ddp_in_place = data_group is not None or dist.get_backend(group) == "shm"
+    network.reduce_scatter_clones_input = data_group is None and dist.get_backend(group) == "gloo"
     if network.ddp_in_place:  # DDP's buckets, and the sharded engine's collectives, go through an shm segment
         network.host_memory.shm_chunk_bytes = _engine.SHM_CHUNK_BYTES
     return network
@@ -148,6 +153,16 @@ def _setup(model: Model, batch: int, optimizer_ms_per_byte: float):
     setup.optimizer_state_factor = OPTIMIZER_STATE[model.optimizer]
     setup.optimizer_ms_per_byte = optimizer_ms_per_byte
     return setup
+
+
+def predict_memory(model: Model, model_profile, configuration, *, batch: int, network=None):
+    """What the fullest rank of `configuration` holds, line by line, at `batch` samples per step (all ranks): a
+    ``MemoryBreakdown`` whose ``tensor_bytes`` is the allocator's peak (``torchpar.allocator``) and whose ``render()``
+    prints the lines. The tensors need no timings: `network` (a ``NetworkProfile``, e.g. from
+    :func:`measure_network`) only says how the collectives go; by default through shared memory, as beside a Gloo
+    group of one host. The resident set's lines of shared memory and the host come from a measured one."""
+    return _engine.predict(model_profile, network if network is not None else _engine.NetworkProfile(),
+                           _setup(model, batch, 0.0), configuration, Calibration()).memory
 
 
 def predict_step_ms(model: Model, model_profile, network, configuration, *, batch: int,
