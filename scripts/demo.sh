@@ -27,12 +27,12 @@ python3 -m torchpar.plan --model torchpar.plan.examples:digits_deep_mlp --batch 
   sed -n '/  # |/,/^excluded/p' | head -8
 echo; echo "\$ python3 scripts/demo_strategies.py   # train with every strategy (examples/, C++ and Python), one table"
 python3 scripts/demo_strategies.py
-echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 3 --memory-per-rank 56MiB   # ZeRO-3 at a peak DDP and ZeRO-2 exceed"
-torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 3 --memory-per-rank 56MiB 2>&1 |
+echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 3 --memory-per-rank 48MiB   # ZeRO-3 at a peak DDP and ZeRO-2 exceed"
+torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 3 --memory-per-rank 48MiB 2>&1 |
   grep -v "OMP_NUM_THREADS\|^W.*run.py"
-echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 2 --memory-per-rank 80MiB   # ZeRO-2 at a peak DDP exceeds"
-torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 2 --memory-per-rank 80MiB 2>&1 |
+echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 2 --memory-per-rank 64MiB   # ZeRO-2 at a peak DDP exceeds"
+torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 2 --memory-per-rank 64MiB 2>&1 |
   grep "^train_sharded"
-echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 1 --memory-per-rank 80MiB   # refused: exit status 2"
-torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 1 --memory-per-rank 80MiB 2>&1 |
+echo; echo "\$ torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 1 --memory-per-rank 64MiB   # refused: exit status 2"
+torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 1 --memory-per-rank 64MiB 2>&1 |
   grep "^train_sharded" || true

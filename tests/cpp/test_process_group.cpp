@@ -71,6 +71,33 @@ TEST_CASE("all_reduce, broadcast, all_gather and send/recv give exact results on
   });
 }
 
+TEST_CASE("shm_group_beside: an shm group over a same-host Gloo group's ranks, none across hosts or when turned off",
+          "[process_group]") {
+  run_on_ranks(3, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    REQUIRE(pg->getBackendName() == "gloo");
+    for (int made = 0; made < 2; ++made) {  // a second group beside the same one gets a name of its own
+      const auto beside = torchpar::shm_group_beside(pg);
+      REQUIRE(beside);
+      CHECK(beside->getBackendName() == "shm");
+      CHECK((beside->getRank() == rank && beside->getSize() == world));
+      CHECK(beside->getGroupName() == "torchpar_shm_beside_" + pg->getGroupName() + "_" + std::to_string(made));
+      std::vector<at::Tensor> sum{contribution(rank)};
+      beside->allreduce(sum)->wait();
+      at::Tensor expected = at::zeros({5}, at::kDouble);
+      for (int r = 0; r < world; ++r) expected += contribution(r);
+      CHECK(at::allclose(sum[0], expected, 0, 0));
+    }
+    CHECK_FALSE(torchpar::shm_group_beside(torchpar::shm_group_beside(pg)));  // not beside an shm group
+    setenv("TORCHPAR_DDP_SAME_HOST", "0", 1);
+    CHECK_FALSE(torchpar::shm_group_beside(pg));
+    unsetenv("TORCHPAR_DDP_SAME_HOST");
+    // Ranks that say they are on different hosts (as tests simulate several): no group, on every rank.
+    setenv("TORCHPAR_HOST_ID", rank == 0 ? "host-a" : "host-b", 1);
+    CHECK_FALSE(torchpar::shm_group_beside(pg));
+    unsetenv("TORCHPAR_HOST_ID");
+  });
+}
+
 TEST_CASE("a master that nobody hosts is reported within the timeout, naming the address", "[process_group]") {
   // A port that was free a moment ago and that nobody listens on.
   setenv("RANK", "1", 1);

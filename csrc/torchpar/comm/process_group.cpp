@@ -3,14 +3,21 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <map>
+#include <mutex>
 
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <ATen/ops/tensor.h>
+
+#include <torchpar/common/control_collectives.h>
+#include <torchpar/common/host_id.h>
 #include <torchpar/comm/backend_factory.h>
 #include <torchpar/comm/core_binding.h>
+#include <torchpar/comm/group_timeout.h>
 #include <torchpar/comm/launch_config.h>
 #include <torchpar/comm/named_process_group.h>
 #include <torchpar/comm/store.h>
@@ -136,6 +143,31 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_group(const c10::intrusive_ptr<c10d::
   auto group_store = c10::make_intrusive<c10d::PrefixStore>(group + "/", parent->getStore());
   wait_for_all_ranks(*group_store, rank, size, timeout);
   return assemble(group, group_store, choices, rank, size, local_rank, timeout);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> shm_group_beside(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  const auto env = process_environment();
+  if (!group || group->getSize() < 2 || group->getBackendName() != "gloo" ||
+      env("TORCHPAR_DDP_SAME_HOST").value_or("1") == "0") {
+    return {};
+  }
+  const auto host = static_cast<int64_t>(std::hash<std::string>{}(host_id()));
+  for (const auto& other : all_gather(*group, at::tensor({host}), at::kCPU)) {
+    if (other.item<int64_t>() != host) return {};
+  }
+  std::string name;
+  {
+    static std::mutex mutex;
+    static std::map<std::string, int> made;  // per group name
+    std::lock_guard<std::mutex> lock(mutex);
+    name = "torchpar_shm_beside_" + group->getGroupName() + "_" + std::to_string(made[group->getGroupName()]++);
+  }
+  const auto timeout = group_timeout(*group);
+  auto group_store = c10::make_intrusive<c10d::PrefixStore>(name + "/", group->getStore());
+  wait_for_all_ranks(*group_store, group->getRank(), group->getSize(), timeout);
+  const int local_rank = read_local_rank(env, "torchpar.shm_group_beside").value_or(0);
+  return assemble(name, group_store, parse_backend_spec("shm"), group->getRank(), group->getSize(), local_rank,
+                  timeout);
 }
 
 } // namespace torchpar::comm

@@ -45,11 +45,19 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
 c10::intrusive_ptr<c10d::ProcessGroup> new_group(const c10::intrusive_ptr<c10d::ProcessGroup>& parent,
                                                  const std::vector<int>& ranks, const InitOptions& options = {});
 
+// An "shm" group over `group`'s ranks, in the same order, where `group` is Gloo with every rank on this host
+// (common/host_id.h), for the bulk data of data-parallel training (Gloo's reduce-scatter clones its input and
+// all-reduces it; shm's moves each byte once through shared memory); null otherwise, or when
+// TORCHPAR_DDP_SAME_HOST=0. Collective over `group`; each call makes a new group, named after `group` and how many
+// were made beside it (not by new_group's count, which a group only some ranks make would shift on those ranks).
+c10::intrusive_ptr<c10d::ProcessGroup> shm_group_beside(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
+
 } // namespace torchpar::comm
 
 namespace torchpar {
 using comm::InitOptions;
 using comm::init_process_group;
 using comm::new_group;
+using comm::shm_group_beside;
 using comm::LaunchError;
 } // namespace torchpar

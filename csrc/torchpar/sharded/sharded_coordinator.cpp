@@ -3,6 +3,7 @@
 #include <torchpar/common/bucket_assignment.h>
 #include <torchpar/common/control_collectives.h>
 #include <torchpar/common/gradient_hooks.h>
+#include <torchpar/comm/process_group.h>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/maximum.h>
@@ -528,6 +529,14 @@ void ShardedCoordinator::zero_parameter_gradients() {
   for (auto& parameter : parameters_) {
     parameter.mutable_grad().reset();
   }
+}
+
+ShardedOptions through_same_host_group(ShardedOptions options, const std::vector<at::Tensor>& parameters) {
+  const bool on_cpu = !parameters.empty() && parameters.front().device().is_cpu();
+  if (on_cpu && options.process_group()) {
+    if (auto beside = comm::shm_group_beside(options.process_group())) options.process_group(std::move(beside));
+  }
+  return options;
 }
 
 } // namespace torchpar::sharded

@@ -159,4 +159,9 @@ class ShardedCoordinator {
   int64_t bytes_sent_ = 0;
 };
 
+// `options` with its group swapped, for CPU `parameters` on a Gloo group whose ranks share this host, for an shm group
+// over the same ranks (comm::shm_group_beside), as Python's wrapper does: Gloo's reduce-scatter clones its input and
+// all-reduces the clone. Collective over the group.
+ShardedOptions through_same_host_group(ShardedOptions options, const std::vector<at::Tensor>& parameters);
+
 } // namespace torchpar::sharded

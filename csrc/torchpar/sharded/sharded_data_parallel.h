@@ -37,11 +37,13 @@ template <typename ModuleHolder>
 class ShardedDataParallel {
  public:
   // Stage 3 of a torch::nn::Sequential without units: each child holding a trained parameter of its own is one
-  // (as Python's ShardedDataParallel, and FSDP2's fully_shard per block).
+  // (as Python's ShardedDataParallel, and FSDP2's fully_shard per block). On a Gloo group of one host the data goes
+  // through an shm group over the same ranks (through_same_host_group; TORCHPAR_DDP_SAME_HOST=0: through Gloo).
   ShardedDataParallel(ModuleHolder module, ShardedOptions options)
       : module_(std::move(module)),
-        coordinator_(std::make_unique<ShardedCoordinator>(named_parameters_of(*module_), named_buffers_of(*module_),
-                                                          with_default_units(options))),
+        coordinator_(std::make_unique<ShardedCoordinator>(
+            named_parameters_of(*module_), named_buffers_of(*module_),
+            through_same_host_group(with_default_units(std::move(options)), module_->parameters()))),
         child_units_(child_units(coordinator_->stage(), coordinator_->unit_names())) {}
 
   // Stage 3: a Sequential whose units are its children gathers each unit just before the child's forward,
