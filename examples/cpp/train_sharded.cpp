@@ -26,6 +26,7 @@
 // Exit status 1 when the accuracy is below 95% or the peak measured exceeds the cap.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdint>
@@ -134,16 +135,19 @@ Arguments parse(int argc, char** argv) {
 }
 
 // S: the elements of one rank's shard. The engine's buckets (torchpar/sharded/shard_layout.h): parameters in
-// reverse registration order, a bucket closing once it holds at least the cap; each padded to a multiple of the
-// group and cut into equal pieces, one per rank.
+// reverse registration order, a bucket closing once it holds at least its cap (the first's 1 MiB, as DDP's, then
+// --bucket-cap-mb); each padded to a multiple of the group and cut into equal pieces, one per rank.
 int64_t shard_elements(const std::vector<int64_t>& numels, int world, int64_t bucket_cap_bytes) {
+  const int64_t first_cap_bytes = std::min<int64_t>(1 << 20, bucket_cap_bytes);
   int64_t shard = 0;
   int64_t open = 0;
+  bool first = true;
   for (auto numel = numels.rbegin(); numel != numels.rend(); ++numel) {
     open += *numel;
-    if (open * 4 >= bucket_cap_bytes) {
+    if (open * 4 >= (first ? first_cap_bytes : bucket_cap_bytes)) {
       shard += (open + world - 1) / world;
       open = 0;
+      first = false;
     }
   }
   return shard + (open + world - 1) / world;

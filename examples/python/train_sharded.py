@@ -98,12 +98,13 @@ def mlp_layers(hidden: int, layers: int) -> list[nn.Module]:
 
 def shard_elements(numels: list[int], world: int, bucket_cap_bytes: int, element_size: int = 4) -> int:
     """S: the elements of one rank's shard. The engine's buckets (torchpar/sharded/shard_layout.h): parameters in
-    reverse registration order, a bucket closing once it holds at least the cap; each padded to a multiple of the
-    group and cut into equal pieces, one per rank."""
+    reverse registration order, a bucket closing once it holds at least its cap (the first's 1 MiB, as DDP's, then
+    the --bucket-cap-mb); each padded to a multiple of the group and cut into equal pieces, one per rank."""
+    caps = [min(1 << 20, bucket_cap_bytes), bucket_cap_bytes]
     buckets, open_elements = [], 0
     for numel in reversed(numels):
         open_elements += numel
-        if open_elements * element_size >= bucket_cap_bytes:
+        if open_elements * element_size >= caps[min(len(buckets), 1)]:
             buckets.append(open_elements)
             open_elements = 0
     if open_elements:

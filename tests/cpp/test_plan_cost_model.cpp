@@ -89,8 +89,18 @@ TEST_CASE("plan: sharded data parallelism's stages on 2 ranks with known link co
   sharded.strategy = plan::Strategy::Sharded;
   sharded.world = 2;
   const auto model = equal_layers(2, 2 * kMiB);
-  // Stages 1-2: one 25 MiB bucket, reduce-scattered once backward ends (2 - 6.5 ms), then the updated shards
-  // all-gathered (4.5 ms, exposed): 2 + 6.5 + 4.5.
+  {
+    // DDP's caps by default: a first bucket of 1 MiB takes the last layer alone, reduce-scattered while backward
+    // goes on. Four layers: 4 + the reduce-scatters (1 - 3.5 and, of the other three, 4 - 10.5) + the all-gathers
+    // (2.5 + 6.5); without the small first bucket 4 + (4 - 12.5) + 8.5.
+    const auto four = equal_layers(4, 2 * kMiB);
+    sharded.zero_stage = 2;
+    CHECK(plan::predict(four, net, batch_of(8), sharded).step_ms == Approx(23.5));
+    sharded.first_bucket_bytes = 25 << 20;
+    CHECK(plan::predict(four, net, batch_of(8), sharded).step_ms == Approx(25));
+  }
+  // Stages 1-2 with one 25 MiB bucket (no small first one), reduce-scattered once backward ends (2 - 6.5 ms), then
+  // the updated shards all-gathered (4.5 ms, exposed): 2 + 6.5 + 4.5.
   sharded.zero_stage = 2;
   const auto stage2 = plan::predict(model, net, batch_of(8), sharded);
   CHECK(stage2.configuration.describe() == "sharded zero-2, 2 replicas");

@@ -20,7 +20,7 @@ using torchpar::testing::run_on_ranks;
 TEST_CASE("sharded layout: buckets in backward order, padded to the group, one piece per rank", "[sharded]") {
   // 4 float parameters of 5, 7, 3 and 6 elements, buckets of at least 40 bytes (10 floats), 4 ranks.
   const auto layout = build_shard_layout({5, 7, 3, 6}, std::vector<c10::ScalarType>(4, c10::kFloat), {3, 2, 1, 0},
-                                         40, 4);
+                                         {40}, 4);
   REQUIRE(layout.buckets.size() == 2);
   const auto& first = layout.buckets[0];  // parameters 3 and 2, then 1 closes it at 16 elements
   CHECK(first.slots.size() == 3);
@@ -36,10 +36,18 @@ TEST_CASE("sharded layout: buckets in backward order, padded to the group, one p
   CHECK(layout.shards[0].second == 6);
   CHECK(layout.location[1] == std::make_pair(size_t{0}, size_t{2}));
   CHECK(layout.reduce_scatter_bytes() == (16 + 8) / 4 * 3 * 4);
+  // A small first cap, as DDP's: parameter 3 (24 bytes) closes the first bucket, then 2 and 1 fill a 40-byte one.
+  const auto early = build_shard_layout({5, 7, 3, 6}, std::vector<c10::ScalarType>(4, c10::kFloat), {3, 2, 1, 0},
+                                        {12, 40}, 4);
+  REQUIRE(early.buckets.size() == 3);
+  CHECK(early.buckets[0].slots.size() == 1);
+  CHECK(early.buckets[0].slots[0].parameter == 3);
+  CHECK(early.buckets[1].slots.size() == 2);
+  CHECK(early.buckets[2].slots[0].parameter == 0);
 }
 
 TEST_CASE("sharded layout: dtypes never share a bucket, each has its shard", "[sharded]") {
-  const auto layout = build_shard_layout({4, 4, 4}, {c10::kFloat, c10::kDouble, c10::kFloat}, {0, 1, 2}, 1 << 20, 3);
+  const auto layout = build_shard_layout({4, 4, 4}, {c10::kFloat, c10::kDouble, c10::kFloat}, {0, 1, 2}, {1 << 20}, 3);
   REQUIRE(layout.buckets.size() == 2);
   REQUIRE(layout.shards.size() == 2);
   CHECK(layout.shards[layout.shard_index(c10::kFloat)].second == 3);   // 8 elements padded to 9, 3 per rank

@@ -63,9 +63,12 @@ Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& idle
   const auto parameters = static_cast<double>(model.parameter_bytes());
   const double shard = parameters / world;
   const bool apart = world > 1;
-  // Stage 3's units are the layers (a bucket each: a cap of one byte closes every bucket); stages 1-2 use DDP's.
-  const std::vector<size_t> caps = stage == 3 ? std::vector<size_t>{1}
-                                              : std::vector<size_t>{static_cast<size_t>(configuration.bucket_bytes)};
+  // Stage 3's units are the layers (a bucket each: a cap of one byte closes every bucket); stages 1-2 DDP's caps.
+  const std::vector<size_t> caps =
+      stage == 3 ? std::vector<size_t>{1}
+                 : std::vector<size_t>{static_cast<size_t>(std::min(configuration.first_bucket_bytes,
+                                                                    configuration.bucket_bytes)),
+                                       static_cast<size_t>(configuration.bucket_bytes)};
   // Each gradient is copied into its bucket's flat tensor as it becomes final, on the compute thread.
   const double copy_ms_per_byte = apart ? network.copy.ms_per_byte : 0.0;
   // Beside a Gloo group of one host the engine's collectives go through the same shm group as DDP's buckets

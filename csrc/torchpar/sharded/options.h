@@ -40,6 +40,9 @@ struct ShardedOptions {
   TORCH_ARG(std::optional<bool>, prefetch) = std::nullopt;
   // Gradient bytes per reduce-scatter (and per all-gather of the updated parameters); stages 1 and 2.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  // The first bucket's (the last layers' gradients), as DDP's: small, so that a reduce-scatter starts early in
+  // backward; stages 1 and 2.
+  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
   // Rank 0's buffers (BatchNorm's running statistics) copied to every rank before each synchronised forward,
   // as DDP's broadcast_buffers.
   TORCH_ARG(bool, broadcast_buffers) = true;

@@ -64,13 +64,14 @@ void check_sizes(const std::vector<int64_t>& numels, const std::vector<c10::Scal
 } // namespace
 
 ShardLayout build_shard_layout(const std::vector<int64_t>& numels, const std::vector<c10::ScalarType>& dtypes,
-                               const std::vector<size_t>& order, size_t bucket_cap_bytes, int world) {
+                               const std::vector<size_t>& order, const std::vector<size_t>& bucket_caps_bytes,
+                               int world) {
   check_sizes(numels, dtypes, world);
   std::vector<BucketableParameter> bucketable;
   for (size_t i = 0; i < numels.size(); ++i) {
     bucketable.push_back({static_cast<size_t>(numels[i]) * c10::elementSize(dtypes[i]), dtypes[i]});
   }
-  auto buckets = assign_buckets(bucketable, order, {bucket_cap_bytes});
+  auto buckets = assign_buckets(bucketable, order, bucket_caps_bytes);
   return lay_out(buckets, std::vector<int>(buckets.size(), -1), numels, dtypes, world);
 }
 

@@ -40,9 +40,11 @@ struct ShardLayout {
 };
 
 // `numels` and `dtypes` of the trained parameters, the order their gradients are expected in (see
-// reverse_registration_order), the byte cap of a bucket, the group's size.
+// reverse_registration_order), the buckets' byte caps in the order they fill (the last repeats, as DDP's: a small
+// first one sends the last layers' gradients early in backward), the group's size.
 ShardLayout build_shard_layout(const std::vector<int64_t>& numels, const std::vector<c10::ScalarType>& dtypes,
-                               const std::vector<size_t>& order, size_t bucket_cap_bytes, int world);
+                               const std::vector<size_t>& order, const std::vector<size_t>& bucket_caps_bytes,
+                               int world);
 
 // Stage 3: one bucket per unit and dtype, units in backward order (the last unit's first); `unit_of[i]` is
 // parameter i's unit in 0..units-1, in forward order.

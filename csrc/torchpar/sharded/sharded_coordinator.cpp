@@ -28,6 +28,10 @@ namespace {
 // (deep MLP of 8 MiB on 4 ranks: a 15.8 MiB peak, against 10.3 for wrapping and training).
 constexpr size_t kBroadcastBucketBytes = 1u << 20;
 
+size_t mebibytes(double mib) {
+  return static_cast<size_t>(mib * (1 << 20));
+}
+
 // The base-tensor collectives under their pre-2.13 names, which every supported torch has.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
@@ -66,8 +70,9 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
               " does not exist; stages 1 (optimizer state), 2 (and gradients) and 3 (and parameters) do");
   TORCH_CHECK(options_.stage() == 3 || options_.units().empty(), "ShardedDataParallel: units are stage 3's; stage ",
               options_.stage(), " keeps the parameters whole");
-  TORCH_CHECK(options_.bucket_cap_mb() > 0, "ShardedDataParallel: bucket_cap_mb must be > 0, got ",
-              options_.bucket_cap_mb());
+  TORCH_CHECK(options_.bucket_cap_mb() > 0 && options_.first_bucket_cap_mb() > 0,
+              "ShardedDataParallel: bucket_cap_mb and first_bucket_cap_mb must be > 0, got ", options_.bucket_cap_mb(),
+              " and ", options_.first_bucket_cap_mb());
   auto& group = *options_.process_group();
   // A tensor two modules share (tied weights) is one parameter: its gradient already sums both uses.
   std::unordered_map<const void*, size_t> index_of;
@@ -119,7 +124,9 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
   layout_ = options_.stage() == 3
                 ? build_unit_layout(numels, dtypes, unit_of, units_, group.getSize())
                 : build_shard_layout(numels, dtypes, reverse_registration_order(parameters_.size()),
-                                     static_cast<size_t>(options_.bucket_cap_mb() * (1 << 20)), group.getSize());
+                                     {mebibytes(std::min(options_.first_bucket_cap_mb(), options_.bucket_cap_mb())),
+                                      mebibytes(options_.bucket_cap_mb())},
+                                     group.getSize());
   {
     // Scoped: these aliases would keep the original storages alive beside the flat tensors made below.
     std::vector<at::Tensor> values;
