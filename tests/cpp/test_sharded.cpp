@@ -3,6 +3,7 @@
 #include "catch_with_torch.h"
 #include <ATen/ops/mse_loss.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/tanh.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
@@ -123,6 +124,68 @@ TEST_CASE("sharded: stages 1, 2 and 3 train a LibTorch module as one process doe
         sharded.unshard();
       }
       check_same_parameters(sharded.module(), reference, stage);
+    }
+  });
+}
+
+namespace {
+
+// Not a Sequential: two blocks registered as Units and a head left in the root, with a probe of what is gathered
+// while the second block runs.
+struct TwoBlocksImpl : torch::nn::Module {
+  TwoBlocksImpl() {
+    torch::manual_seed(3);
+    block0 = register_module("block0", torchpar::sharded::Unit(torch::nn::AnyModule(torch::nn::Linear(5, 6))));
+    block1 = register_module("block1", torchpar::sharded::Unit(torch::nn::AnyModule(torch::nn::Linear(6, 4))));
+    head = register_module("head", torch::nn::Linear(4, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto hidden = at::tanh(block0(x));
+    block0_bytes_after_its_forward = block0->parameters()[0].storage().nbytes();
+    return head(at::tanh(block1(hidden)));
+  }
+  torchpar::sharded::Unit block0{nullptr}, block1{nullptr};
+  torch::nn::Linear head{nullptr};
+  size_t block0_bytes_after_its_forward = 0;
+};
+TORCH_MODULE(TwoBlocks);
+
+} // namespace
+
+TEST_CASE("sharded: Unit modules in any LibTorch module are stage 3's units, each gathered only around its passes",
+          "[sharded]") {
+  run_on_ranks(2, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    constexpr int kPerRank = 3;
+    torch::manual_seed(17);
+    std::vector<std::pair<at::Tensor, at::Tensor>> batches;
+    for (int step = 0; step < 3; ++step) batches.emplace_back(at::randn({world * kPerRank, 5}), at::randn({world * kPerRank, 3}));
+    TwoBlocks reference;
+    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(0.01));
+    for (const auto& [x, y] : batches) {
+      reference_optimizer.zero_grad();
+      at::mse_loss(reference->forward(x), y).backward();
+      reference_optimizer.step();
+    }
+    CHECK(reference->block0_bytes_after_its_forward > 0);  // outside a wrapper a Unit is its module
+    ShardedDataParallel sharded(TwoBlocks(), ShardedOptions().process_group(pg).stage(3));
+    CHECK(sharded.coordinator().unit_names() == std::vector<std::string>{"block0", "block1"});
+    auto optimizer = sharded.optimizer<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
+    for (const auto& [x, y] : batches) {
+      optimizer.zero_grad();
+      const auto output = sharded(x.narrow(0, rank * kPerRank, kPerRank));
+      CHECK(sharded.module()->block0_bytes_after_its_forward == 0);  // freed before block1 ran
+      CHECK(sharded.module()->block1->parameters()[0].storage().nbytes() == 0);
+      CHECK(sharded.module()->head->weight.storage().nbytes() > 0);  // the root stays gathered through backward
+      at::mse_loss(output, y.narrow(0, rank * kPerRank, kPerRank)).backward();
+      optimizer.step();
+    }
+    sharded.unshard();
+    const auto got = sharded.module()->parameters();
+    const auto want = reference->parameters();
+    REQUIRE(got.size() == want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      INFO("parameter " << i);
+      CHECK(at::allclose(got[i], want[i], 1e-5, 1e-6));
     }
   });
 }

@@ -9,12 +9,14 @@
 //   optimizer.step();                  // this rank's shard stepped, then every rank's shard all-gathered
 //
 // Stage 3 (.stage(3)) also shards the parameters: on a torch::nn::Sequential each child holding parameters is
-// a unit gathered only around its forward and its backward (.units({"0", "2"}) chooses them).
+// a unit gathered only around its forward and its backward (.units({"0", "2"}) chooses them); in any other module,
+// each submodule it registers wrapped in a torchpar::sharded::Unit (unit.h).
 #pragma once
 #include <torchpar/common/module_tensors.h>
 #include <torchpar/common/no_sync_guard.h>
 #include <torchpar/sharded/sharded_coordinator.h>
 #include <torchpar/sharded/sharded_optimizer.h>
+#include <torchpar/sharded/unit.h>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -44,19 +46,27 @@ class ShardedDataParallel {
         coordinator_(std::make_unique<ShardedCoordinator>(
             named_parameters_of(*module_), named_buffers_of(*module_),
             through_same_host_group(with_default_units(std::move(options)), module_->parameters()))),
-        child_units_(child_units(coordinator_->stage(), coordinator_->unit_names())) {}
+        child_units_(child_units(coordinator_->stage(), coordinator_->unit_names())) {
+    attach_units();
+  }
+  ShardedDataParallel(ShardedDataParallel&&) noexcept = default;
+  ShardedDataParallel& operator=(ShardedDataParallel&&) = delete;  // its units would keep the old coordinator
+  ~ShardedDataParallel() {
+    for (auto& unit : attached_units_) unit->detach();
+  }
 
   // Stage 3: a Sequential whose units are its children gathers each unit just before the child's forward,
-  // releases it after, and gathers it again when its output's gradient arrives (before the child's backward).
-  // Any other LibTorch module has no forward hooks to do that one unit at a time: the whole model is gathered
-  // for the forward and released unit by unit as backward reduces it.
+  // releases it after, and gathers it again when its output's gradient arrives (before the child's backward);
+  // units that are Unit modules do the same themselves. Any other unit of a LibTorch module (no forward hooks to
+  // gather it alone) makes the whole model gathered for the forward and released unit by unit as backward reduces it.
   template <typename... Args>
   auto forward(Args&&... args) {
     coordinator_->pre_forward(coordinator_->will_sync());
     if constexpr (std::is_same_v<ModuleHolder, torch::nn::Sequential>) {
       if (!child_units_.empty()) return forward_unit_by_unit(std::forward<Args>(args)...);
     }
-    if (coordinator_->stage() == 3) coordinator_->gather_all();
+    const bool units_gather_themselves = attached_units_.size() == coordinator_->unit_names().size();
+    if (coordinator_->stage() == 3 && !units_gather_themselves) coordinator_->gather_all();
     return module_->forward(std::forward<Args>(args)...);
   }
   template <typename... Args>
@@ -108,8 +118,29 @@ class ShardedDataParallel {
         }
         options.units(std::move(units));
       }
+    } else if (options.stage() == 3 && options.units().empty()) {
+      // The Unit modules it registers, in registration order (their forward order, as Python's units are).
+      std::vector<std::string> units;
+      for (const auto& item : module_->named_modules("", /*include_self=*/false)) {
+        if (dynamic_cast<UnitImpl*>(item.value().get()) != nullptr) units.push_back(item.key());
+      }
+      options.units(std::move(units));
     }
     return options;
+  }
+
+  // Each Unit module the coordinator's units name, told its number.
+  void attach_units() {
+    if (coordinator_->stage() != 3) return;
+    const auto& names = coordinator_->unit_names();
+    for (const auto& item : module_->named_modules("", /*include_self=*/false)) {
+      auto unit = std::dynamic_pointer_cast<UnitImpl>(item.value());
+      const auto named = std::find(names.begin(), names.end(), item.key());
+      if (unit && named != names.end()) {
+        unit->attach(coordinator_.get(), static_cast<int>(named - names.begin()) + 1);
+        attached_units_.push_back(std::move(unit));
+      }
+    }
   }
 
   // Per child of a Sequential, its unit (0: none, in the root); empty where the units are not all children.
@@ -154,6 +185,7 @@ class ShardedDataParallel {
   ModuleHolder module_;
   std::unique_ptr<ShardedCoordinator> coordinator_;
   std::vector<int> child_units_;
+  std::vector<std::shared_ptr<UnitImpl>> attached_units_;
 };
 
 } // namespace torchpar::sharded
