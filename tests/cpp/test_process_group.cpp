@@ -75,6 +75,7 @@ TEST_CASE("shm_group_beside: an shm group over a same-host Gloo group's ranks, n
           "[process_group]") {
   run_on_ranks(3, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     REQUIRE(pg->getBackendName() == "gloo");
+    CHECK(torchpar::comm::shm_group_fits_beside(pg));
     for (int made = 0; made < 2; ++made) {  // a second group beside the same one gets a name of its own
       const auto beside = torchpar::shm_group_beside(pg);
       REQUIRE(beside);
@@ -89,6 +90,7 @@ TEST_CASE("shm_group_beside: an shm group over a same-host Gloo group's ranks, n
     }
     CHECK_FALSE(torchpar::shm_group_beside(torchpar::shm_group_beside(pg)));  // not beside an shm group
     setenv("TORCHPAR_DDP_SAME_HOST", "0", 1);
+    CHECK_FALSE(torchpar::comm::shm_group_fits_beside(pg));
     CHECK_FALSE(torchpar::shm_group_beside(pg));
     unsetenv("TORCHPAR_DDP_SAME_HOST");
     // Ranks that say they are on different hosts (as tests simulate several): no group, on every rank.

@@ -145,16 +145,21 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_group(const c10::intrusive_ptr<c10d::
   return assemble(group, group_store, choices, rank, size, local_rank, timeout);
 }
 
-c10::intrusive_ptr<c10d::ProcessGroup> shm_group_beside(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
-  const auto env = process_environment();
+bool shm_group_fits_beside(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
   if (!group || group->getSize() < 2 || group->getBackendName() != "gloo" ||
-      env("TORCHPAR_DDP_SAME_HOST").value_or("1") == "0") {
-    return {};
+      process_environment()("TORCHPAR_DDP_SAME_HOST").value_or("1") == "0") {
+    return false;
   }
   const auto host = static_cast<int64_t>(std::hash<std::string>{}(host_id()));
   for (const auto& other : all_gather(*group, at::tensor({host}), at::kCPU)) {
-    if (other.item<int64_t>() != host) return {};
+    if (other.item<int64_t>() != host) return false;
   }
+  return true;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> shm_group_beside(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  if (!shm_group_fits_beside(group)) return {};
+  const auto env = process_environment();
   std::string name;
   {
     static std::mutex mutex;

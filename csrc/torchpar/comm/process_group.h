@@ -51,6 +51,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_group(const c10::intrusive_ptr<c10d::
 // TORCHPAR_DDP_SAME_HOST=0. Collective over `group`; each call makes a new group, named after `group` and how many
 // were made beside it (not by new_group's count, which a group only some ranks make would shift on those ranks).
 c10::intrusive_ptr<c10d::ProcessGroup> shm_group_beside(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
+// Whether shm_group_beside(group) makes one (without making it). Collective over `group`.
+bool shm_group_fits_beside(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
 } // namespace torchpar::comm
 

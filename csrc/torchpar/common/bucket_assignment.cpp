@@ -58,6 +58,10 @@ std::vector<std::vector<size_t>> assign_buckets(
   return closed;
 }
 
+std::vector<size_t> first_and_later_caps(size_t first_bucket_bytes, size_t bucket_bytes) {
+  return {std::min(first_bucket_bytes, bucket_bytes), bucket_bytes};
+}
+
 std::vector<size_t> reverse_registration_order(size_t count) {
   std::vector<size_t> order(count);
   std::iota(order.rbegin(), order.rend(), size_t{0});

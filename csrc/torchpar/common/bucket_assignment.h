@@ -23,6 +23,9 @@ std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<size_t>& order,
     const std::vector<size_t>& bucket_caps_bytes);
 
+// DDP's caps for assign_buckets: the first bucket's (never above the others'), then every later one's.
+std::vector<size_t> first_and_later_caps(size_t first_bucket_bytes, size_t bucket_bytes);
+
 // Reverse registration order: gradients of the last layers are produced first in backward.
 std::vector<size_t> reverse_registration_order(size_t count);
 

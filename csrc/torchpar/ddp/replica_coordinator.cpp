@@ -1,5 +1,6 @@
 #include <torchpar/ddp/replica_coordinator.h>
 
+#include <torchpar/common/bucket_assignment.h>
 #include <torchpar/common/control_collectives.h>
 #include <torchpar/common/replica_check.h>
 #include <torchpar/ddp/reducer.h>
@@ -65,8 +66,8 @@ ReplicaCoordinator::ReplicaCoordinator(
   ReducerOptions reducer_options;
   auto bytes = [](double mebibytes) { return static_cast<size_t>(mebibytes * (1 << 20)); };
   if (options_.bucket_cap_mb_list().empty()) {
-    reducer_options.bucket_caps_bytes = {bytes(std::min(options_.first_bucket_cap_mb(), options_.bucket_cap_mb())),
-                                         bytes(options_.bucket_cap_mb())};
+    reducer_options.bucket_caps_bytes =
+        first_and_later_caps(bytes(options_.first_bucket_cap_mb()), bytes(options_.bucket_cap_mb()));
   } else {
     reducer_options.bucket_caps_bytes.clear();
     for (double cap : options_.bucket_cap_mb_list()) {

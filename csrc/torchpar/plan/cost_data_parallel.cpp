@@ -14,8 +14,8 @@ Prediction predict_data_parallel(const ModelProfile& model, const NetworkProfile
   check_divides(setup.batch, world, "ranks");
   const int64_t samples = setup.batch / world;
   const int64_t parameters = model.parameter_bytes();
-  const std::vector<size_t> caps{static_cast<size_t>(configuration.first_bucket_bytes),
-                                 static_cast<size_t>(configuration.bucket_bytes)};
+  const auto caps = first_and_later_caps(static_cast<size_t>(configuration.first_bucket_bytes),
+                                         static_cast<size_t>(configuration.bucket_bytes));
   // Each gradient is copied into its bucket as it becomes final (on the compute thread), and the
   // averaged bucket back into the gradients once the all-reduces are done; unless averaged in place.
   const double copy_ms_per_byte = world > 1 && !network.ddp_in_place ? network.copy.ms_per_byte : 0.0;

@@ -38,12 +38,12 @@ ReductionPeak fullest_reduction(const OverlappedStep& step, int world, int stage
     if (bytes(now) > bytes(fullest)) fullest = now;
   };
   for (size_t j = 0; j < buckets.size(); ++j) {
-    const size_t oldest = j > kWindow ? j - kWindow : 0;
+    const bool waits = j >= kWindow;  // for the oldest, once this bucket is issued
+    const size_t oldest = waits ? j - kWindow : 0;
     if (stage >= 2) {
       consider({buckets[j], buckets[j] + in_flight(oldest, j), j > kWindow});  // copying: every gradient still there
     }
-    const bool waits = j >= kWindow;
-    consider({stage >= 2 ? step.bucket_last_bytes[j] : 0.0, in_flight(waits ? j - kWindow : 0, j + 1), waits});
+    consider({stage >= 2 ? step.bucket_last_bytes[j] : 0.0, in_flight(oldest, j + 1), waits});
   }
   if (!buckets.empty() && buckets.size() <= kWindow) consider({0.0, in_flight(0, buckets.size()), true});
   return fullest;
@@ -66,9 +66,8 @@ Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& idle
   // Stage 3's units are the layers (a bucket each: a cap of one byte closes every bucket); stages 1-2 DDP's caps.
   const std::vector<size_t> caps =
       stage == 3 ? std::vector<size_t>{1}
-                 : std::vector<size_t>{static_cast<size_t>(std::min(configuration.first_bucket_bytes,
-                                                                    configuration.bucket_bytes)),
-                                       static_cast<size_t>(configuration.bucket_bytes)};
+                 : first_and_later_caps(static_cast<size_t>(configuration.first_bucket_bytes),
+                                        static_cast<size_t>(configuration.bucket_bytes));
   // Each gradient is copied into its bucket's flat tensor as it becomes final, on the compute thread.
   const double copy_ms_per_byte = apart ? network.copy.ms_per_byte : 0.0;
   // Beside a Gloo group of one host the engine's collectives go through the same shm group as DDP's buckets

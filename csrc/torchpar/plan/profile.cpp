@@ -4,6 +4,7 @@
 #include <torchpar/ps/channel.h>
 #include <torchpar/common/cpu_allocations.h>
 #include <torchpar/common/memfd_region.h>
+#include <torchpar/comm/process_group.h>
 
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
@@ -230,7 +231,8 @@ NetworkProfile measure_network(const c10::intrusive_ptr<c10d::ProcessGroup>& gro
                                const std::vector<int64_t>& sizes_bytes, int repeats) {
   NetworkProfile network;
   if (group->getSize() < 2) return network;
-  network.reduce_scatter_clones_input = group->getBackendName() == "gloo";
+  // The sharded C++ wrapper goes through an shm group beside a Gloo group of one host (sharded_data_parallel.h).
+  network.reduce_scatter_clones_input = group->getBackendName() == "gloo" && !comm::shm_group_fits_beside(group);
   const int rank = group->getRank();
   // The slowest rank's time: every rank's median, maximised over the group.
   const auto slowest = [&](double mine) {

@@ -28,10 +28,6 @@ namespace {
 // (deep MLP of 8 MiB on 4 ranks: a 15.8 MiB peak, against 10.3 for wrapping and training).
 constexpr size_t kBroadcastBucketBytes = 1u << 20;
 
-size_t mebibytes(double mib) {
-  return static_cast<size_t>(mib * (1 << 20));
-}
-
 // The base-tensor collectives under their pre-2.13 names, which every supported torch has.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
@@ -121,11 +117,12 @@ ShardedCoordinator::ShardedCoordinator(NamedTensors parameters, NamedTensors buf
     numels.push_back(parameter.numel());
     dtypes.push_back(parameter.scalar_type());
   }
+  const auto mebibytes = [](double mib) { return static_cast<size_t>(mib * (1 << 20)); };
   layout_ = options_.stage() == 3
                 ? build_unit_layout(numels, dtypes, unit_of, units_, group.getSize())
                 : build_shard_layout(numels, dtypes, reverse_registration_order(parameters_.size()),
-                                     {mebibytes(std::min(options_.first_bucket_cap_mb(), options_.bucket_cap_mb())),
-                                      mebibytes(options_.bucket_cap_mb())},
+                                     first_and_later_caps(mebibytes(options_.first_bucket_cap_mb()),
+                                                          mebibytes(options_.bucket_cap_mb())),
                                      group.getSize());
   {
     // Scoped: these aliases would keep the original storages alive beside the flat tensors made below.
@@ -482,6 +479,12 @@ void ShardedCoordinator::before_unit_backward(int unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   for_buckets_of(unit, &ShardedCoordinator::gather_bucket);
   prefetch(unit - 1);
+}
+
+void ShardedCoordinator::gather_before_backward_of(int unit, at::Tensor& output) {
+  if (output.requires_grad()) {
+    output.register_hook([this, unit](const at::Tensor&) { before_unit_backward(unit); });
+  }
 }
 
 std::string ShardedCoordinator::describe(const ShardBucket& bucket) const {

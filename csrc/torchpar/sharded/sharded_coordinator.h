@@ -80,6 +80,9 @@ class ShardedCoordinator {
   void before_unit_forward(int unit);
   void after_unit_forward(int unit);
   void before_unit_backward(int unit);
+  // For the C++ wrappers, which have no backward hooks on modules: a hook on `output`, the unit's forward output,
+  // that calls before_unit_backward when its gradient arrives (nothing where it needs none).
+  void gather_before_backward_of(int unit, at::Tensor& output);
   // Stage 3's unit names (ShardedOptions::units, as given or defaulted by the wrapper).
   const std::vector<std::string>& unit_names() const { return options_.units(); }
   // The unit of trained parameter `parameter` as errors name it ("unit 'layers.0'", "the root unit"), and

@@ -172,9 +172,7 @@ class ShardedDataParallel {
       value = child == 0 ? module.any_forward(std::forward<Args>(args)...) : module.any_forward(std::move(*value));
       if (unit > 0) {
         coordinator->after_unit_forward(unit);
-        if (auto* output = value->template try_get<at::Tensor>(); output && output->requires_grad()) {
-          output->register_hook([coordinator, unit](const at::Tensor&) { coordinator->before_unit_backward(unit); });
-        }
+        if (auto* output = value->template try_get<at::Tensor>()) coordinator->gather_before_backward_of(unit, *output);
       }
       ++child;
     }

@@ -16,14 +16,10 @@ void UnitImpl::attach(ShardedCoordinator* coordinator, int unit) {
 
 at::Tensor UnitImpl::forward(const at::Tensor& input) {
   if (coordinator_ == nullptr) return inner_.forward<at::Tensor>(input);
-  auto* coordinator = coordinator_;
-  const int unit = unit_;
-  coordinator->before_unit_forward(unit);
+  coordinator_->before_unit_forward(unit_);
   at::Tensor output = inner_.forward<at::Tensor>(input);
-  coordinator->after_unit_forward(unit);
-  if (output.requires_grad()) {
-    output.register_hook([coordinator, unit](const at::Tensor&) { coordinator->before_unit_backward(unit); });
-  }
+  coordinator_->after_unit_forward(unit_);
+  coordinator_->gather_before_backward_of(unit_, output);
   return output;
 }
 
