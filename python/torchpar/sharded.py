@@ -27,6 +27,7 @@ from torch import nn
 from . import _C
 from .grad_sync import sync_disabled, tensors_in
 from .same_host import shm_group_beside
+from .sharded_dcp import checkpointable_piece, piece_of
 
 __all__ = ["ShardedDataParallel", "ShardedOptimizer"]
 
@@ -149,6 +150,57 @@ class ShardedDataParallel(nn.Module):
             for index, shard in enumerate(coordinator.shard):
                 shard.copy_(coordinator.shard_of(index, values))
         self.reshard()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The module's state dict (its own keys, as ``model.module.state_dict()``'s) for
+        ``torch.distributed.checkpoint``, each trained parameter as this rank's piece of its master value (the shard:
+        fp32 under a mixed-precision policy), which DCP saves as that part of the whole parameter; buffers and frozen
+        parameters whole. Local: nothing is gathered. The checkpoint holds what a bare model's ``state_dict()``
+        holds, so any number of ranks, FSDP2 or one process loads it. To resume: ``dcp.load`` into this dict, then
+        ``load_sharded_state_dict`` of it."""
+        pieces = self._pieces()
+        state: dict[str, Any] = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            index = self._trained_index.get(id(value))
+            if index is None:
+                state[name] = value.detach()
+            elif index in pieces:  # a parameter this rank holds no piece of is left to the ranks that do
+                shard, start, offset, numel = pieces[index]
+                state[name] = checkpointable_piece(self._coordinator.shard[shard].detach()[offset:offset + numel],
+                                                   value.shape, start)
+        return state
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """What ``sharded_state_dict`` gave, once ``torch.distributed.checkpoint.load`` filled it (possibly from a
+        checkpoint of another number of ranks, FSDP2's, or a bare model's): the pieces into the shard, buffers and
+        frozen parameters into the module. Collective: stages 1-2 all-gather the parameters."""
+        pieces = self._pieces()
+        coordinator = self._coordinator
+        with torch.no_grad():
+            for name, value in self.module.state_dict(keep_vars=True).items():
+                if name not in state_dict:
+                    continue
+                index = self._trained_index.get(id(value))
+                if index is None:
+                    value.copy_(state_dict[name])
+                elif index in pieces:
+                    shard, _, offset, numel = pieces[index]
+                    coordinator.shard[shard][offset:offset + numel] = piece_of(state_dict[name])
+            if self.stage != 3:
+                coordinator.gather_parameters()
+
+    @property
+    def _trained_index(self) -> dict[int, int]:
+        """The trained parameters, every name of a tied one included, by object: their index in the shards' layout."""
+        names = self._coordinator.parameter_names
+        return {id(self.module.get_parameter(name)): index for index, name in enumerate(names)}
+
+    def _pieces(self) -> dict[int, tuple[int, int, int, int]]:
+        """This rank's piece of each trained parameter it holds one of (a parameter lies in one bucket, so at most
+        one): parameter index -> (shard, first element in the flattened parameter, offset in the shard, elements)."""
+        return {parameter: (shard, start, offset, numel)
+                for shard in range(len(self._coordinator.shard))
+                for parameter, start, offset, numel in self._coordinator.shard_pieces(shard)}
 
     @property
     def bytes_sent_last_step(self) -> int:
@@ -313,6 +365,70 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         state.setdefault(names[parameter], {})[key] = copy.deepcopy(value)
         groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         return {"state": state, "param_groups": groups}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """For ``torch.distributed.checkpoint``: ``full_state_dict``'s form (state keyed by parameter name, which
+        ``param_groups`` list as FSDP2's do), each per-element state being this rank's piece of it, which DCP saves as
+        that part of a tensor shaped like the parameter. Local: nothing is gathered. A fresh optimizer's state is made
+        first (a step of learning rate 0 on zero gradients), so that a load has somewhere to go. To resume:
+        ``dcp.load`` into this dict, then ``load_sharded_state_dict`` of it."""
+        self._make_state()
+        model = self.model
+        names = model._coordinator.parameter_names
+        shapes = {name: parameter.shape for name, parameter in model.module.named_parameters()}
+        pieces = model._pieces()
+        state: dict[str, dict[str, Any]] = {}
+        for parameter, (shard_index, start, offset, numel) in pieces.items():
+            shard = model._coordinator.shard[shard_index]
+            entry = state.setdefault(names[parameter], {})
+            for key, value in self.optimizer.state[shard].items():
+                if torch.is_tensor(value) and value.shape == shard.shape:
+                    entry[key] = checkpointable_piece(value[offset:offset + numel], shapes[names[parameter]], start)
+                else:  # a per-tensor value, e.g. Adam's step: the same for every parameter of the shard
+                    entry[key] = value
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(names)}
+                  for group in self.optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """What ``sharded_state_dict`` gave, once ``torch.distributed.checkpoint.load`` filled it (possibly from a
+        checkpoint of another number of ranks, or FSDP2's): each piece into this rank's shard of the state."""
+        model = self.model
+        names = model._coordinator.parameter_names
+        for parameter, (shard_index, _, offset, numel) in model._pieces().items():
+            shard = model._coordinator.shard[shard_index]
+            saved = state_dict["state"].get(names[parameter])
+            if saved is None:
+                raise ValueError(f"ShardedOptimizer.load_sharded_state_dict: no state for parameter {names[parameter]}")
+            shard_state = self.optimizer.state[shard]
+            for key, value in saved.items():
+                if torch.is_tensor(shard_state.get(key)) and shard_state[key].shape == shard.shape:
+                    shard_state[key][offset:offset + numel] = piece_of(value)
+                else:
+                    shard_state[key] = copy.deepcopy(value)
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _make_state(self) -> None:
+        """Each shard's optimizer state made where it is missing, by a step of learning rate 0 on zero gradients."""
+        shards = self.model._coordinator.shard
+        missing = [shard for shard in shards if not self.optimizer.state.get(shard)]
+        if not missing:
+            return
+        kept_grads = [shard.grad for shard in shards]
+        learning_rates = [group["lr"] for group in self.optimizer.param_groups]
+        for shard in shards:  # a shard without a gradient is not stepped: its state stays as it is
+            shard.grad = torch.zeros_like(shard) if any(shard is m for m in missing) else None
+        for group in self.optimizer.param_groups:
+            group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+        try:
+            with torch.no_grad():
+                self.optimizer.step()
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, learning_rates):
+                group["lr"] = lr
+            for shard, grad in zip(shards, kept_grads):
+                shard.grad = grad
 
     def load_full_state_dict(self, full_state: dict[str, Any]) -> None:
         """What ``full_state_dict`` gave, possibly on another number of ranks: each rank takes its shard of it."""

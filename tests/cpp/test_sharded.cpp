@@ -1,6 +1,9 @@
 // torchpar::sharded from C++: the shard layout alone, then ShardedDataParallel around a LibTorch module on
 // forked ranks against single-process training of the same global batch (stages 1, 2 and 3, Adam).
 #include "catch_with_torch.h"
+#include <cstdlib>
+#include <filesystem>
+#include <string>
 #include <ATen/ops/mse_loss.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/tanh.h>
@@ -45,6 +48,36 @@ TEST_CASE("sharded layout: buckets in backward order, padded to the group, one p
   CHECK(early.buckets[0].slots[0].parameter == 3);
   CHECK(early.buckets[1].slots.size() == 2);
   CHECK(early.buckets[2].slots[0].parameter == 0);
+}
+
+TEST_CASE("sharded layout: every rank's pieces cover each parameter once, where its shard holds them", "[sharded]") {
+  // The layout of the first test: bucket 0 = parameters 3 (6), 2 (3), 1 (7), padded to 16; bucket 1 = parameter 0 (5)
+  // padded to 8; 4 ranks, pieces of 4 and 2.
+  const auto layout = build_shard_layout({5, 7, 3, 6}, std::vector<c10::ScalarType>(4, c10::kFloat), {3, 2, 1, 0},
+                                         {40}, 4);
+  std::vector<std::vector<int>> covered = {std::vector<int>(5), std::vector<int>(7), std::vector<int>(3),
+                                           std::vector<int>(6)};
+  for (int rank = 0; rank < 4; ++rank) {
+    for (const auto& piece : torchpar::sharded::pieces_of(layout, 0, rank)) {
+      CHECK(piece.shard_offset + piece.numel <= layout.shards[0].second);
+      for (int64_t i = 0; i < piece.numel; ++i) ++covered[piece.parameter][piece.parameter_offset + i];
+    }
+  }
+  for (const auto& parameter : covered) {
+    for (int times : parameter) CHECK(times == 1);
+  }
+  // Rank 2's piece of bucket 0 is its elements 8..11: parameter 2's last element, then parameter 1's first three;
+  // of bucket 1, elements 4..5: parameter 0's last (5 is padding), at offset 4 of its shard.
+  const auto pieces = torchpar::sharded::pieces_of(layout, 0, 2);
+  REQUIRE(pieces.size() == 3);
+  CHECK((pieces[0].parameter == 2 && pieces[0].parameter_offset == 2 && pieces[0].shard_offset == 0 &&
+         pieces[0].numel == 1));
+  CHECK((pieces[1].parameter == 1 && pieces[1].parameter_offset == 0 && pieces[1].shard_offset == 1 &&
+         pieces[1].numel == 3));
+  CHECK((pieces[2].parameter == 0 && pieces[2].parameter_offset == 4 && pieces[2].shard_offset == 4 &&
+         pieces[2].numel == 1));
+  CHECK(torchpar::sharded::pieces_of(layout, 0, 3).size() == 1);  // its piece of bucket 1 is all padding
+  CHECK_THROWS_WITH(torchpar::sharded::pieces_of(layout, 0, 4), Catch::Contains("no rank 4"));
 }
 
 TEST_CASE("sharded layout: dtypes never share a bucket, each has its shard", "[sharded]") {
@@ -213,4 +246,66 @@ TEST_CASE("sharded: gradients of a backward run outside the wrapper are reduced 
     ShardedDataParallel stage3(network(), ShardedOptions().process_group(pg).stage(3));
     CHECK_THROWS_WITH(stage3.reduce_gradients(), Catch::Matchers::Contains("for stages 1 and 2"));
   });
+}
+
+TEST_CASE("sharded: a checkpoint of 3 ranks at stage 3 resumes on 2 at stage 2, nothing gathered", "[sharded]") {
+  char name[] = "/tmp/torchpar-sharded-checkpoint-XXXXXX";
+  REQUIRE(mkdtemp(name) != nullptr);
+  const std::string directory = name;
+  // 6 samples a step (2 per rank on 3, 3 on 2); the first layer's bias frozen, so saved whole.
+  const auto model = [] {
+    auto net = network();
+    net[0]->as<torch::nn::Linear>()->bias.set_requires_grad(false);
+    return net;
+  };
+  const auto batches = [] {
+    torch::manual_seed(21);
+    std::vector<std::pair<at::Tensor, at::Tensor>> steps;
+    for (int step = 0; step < 3; ++step) steps.emplace_back(at::randn({6, 5}), at::randn({6, 3}));
+    return steps;
+  };
+  const auto train = [](auto& sharded, auto& optimizer, const std::pair<at::Tensor, at::Tensor>& batch, int rank,
+                        int world) {
+    const int64_t share = 6 / world;
+    optimizer.zero_grad();
+    at::mse_loss(sharded(batch.first.narrow(0, rank * share, share)), batch.second.narrow(0, rank * share, share))
+        .backward();
+    optimizer.step();
+  };
+  run_on_ranks(3, [&](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    ShardedDataParallel sharded(model(), ShardedOptions().process_group(pg).stage(3));
+    auto optimizer = sharded.optimizer<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
+    const auto steps = batches();
+    train(sharded, optimizer, steps[0], rank, world);
+    train(sharded, optimizer, steps[1], rank, world);
+    sharded.save_checkpoint(directory, optimizer);
+  });
+  run_on_ranks(2, [&](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    // Uninterrupted, in one process: three steps on the whole batches.
+    auto reference = model();
+    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(0.01));
+    for (const auto& [x, y] : batches()) {
+      reference_optimizer.zero_grad();
+      at::mse_loss(reference->forward(x), y).backward();
+      reference_optimizer.step();
+    }
+    // A fresh model of other values and an optimizer with no state yet and another learning rate take the checkpoint.
+    torch::manual_seed(99);
+    auto fresh = torch::nn::Sequential(torch::nn::Linear(5, 7), torch::nn::Tanh(), torch::nn::Linear(7, 3));
+    fresh[0]->as<torch::nn::Linear>()->bias.set_requires_grad(false);
+    ShardedDataParallel sharded(fresh, ShardedOptions().process_group(pg).stage(2).bucket_cap_mb(0.0001));
+    auto optimizer = sharded.optimizer<torch::optim::Adam>(torch::optim::AdamOptions(0.5));
+    sharded.load_checkpoint(directory, optimizer);
+    CHECK(optimizer.inner().param_groups()[0].options().get_lr() == 0.01);
+    train(sharded, optimizer, batches()[2], rank, world);
+    check_same_parameters(sharded.module(), reference, 2);
+  });
+  std::filesystem::remove(std::filesystem::path(directory) / "rank-1-of-3.pt");
+  run_on_ranks(2, [&](int, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    ShardedDataParallel sharded(model(), ShardedOptions().process_group(pg).stage(2));
+    auto optimizer = sharded.optimizer<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
+    CHECK_THROWS_WITH(sharded.load_checkpoint(directory, optimizer),
+                      Catch::Matchers::Contains("a checkpoint of 3 ranks without rank 1's file"));
+  });
+  std::filesystem::remove_all(directory);
 }

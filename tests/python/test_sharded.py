@@ -161,23 +161,24 @@ def test_refusals_name_what_is_wrong():
     assert run_on_ranks(2, refusals) == [True, True]
 
 
+def take_steps(model, optimizer, steps, rows: slice) -> None:
+    for ids, targets in steps:
+        optimizer.zero_grad()
+        loss_of(model, ids[rows], targets[rows]).backward()
+        optimizer.step()
+
+
 def save_after_two_steps(rank, world, directory):
     """4 ranks: two Adam steps, then the whole model and optimizer state saved; the third step's result returned."""
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     model = torchpar.ShardedDataParallel(build(), stage=2)
     optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=0.01)
     steps = batches(world)
-    for ids, targets in steps[:2]:
-        optimizer.zero_grad()
-        loss_of(model, ids[mine], targets[mine]).backward()
-        optimizer.step()
+    take_steps(model, optimizer, steps[:2], mine)
     full = optimizer.full_state_dict()
     if rank == 0:
         torch.save({"model": model.module.state_dict(), "optimizer": full}, f"{directory}/checkpoint.pt")
-    ids, targets = steps[2]
-    optimizer.zero_grad()
-    loss_of(model, ids[mine], targets[mine]).backward()
-    optimizer.step()
+    take_steps(model, optimizer, steps[2:], mine)
     return {name: p.detach().clone() for name, p in model.module.named_parameters()}
 
 
@@ -190,10 +191,7 @@ def resume_on_another_group_size(rank, world, directory):
     optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=0.01)
     optimizer.load_full_state_dict(checkpoint["optimizer"])
     share = 4 * PER_RANK // world
-    ids, targets = batches(4)[2]
-    optimizer.zero_grad()
-    loss_of(model, ids[rank * share:(rank + 1) * share], targets[rank * share:(rank + 1) * share]).backward()
-    optimizer.step()
+    take_steps(model, optimizer, batches(4)[2:], slice(rank * share, (rank + 1) * share))
     return {name: p.detach().clone() for name, p in model.module.named_parameters()}
 
 
@@ -213,12 +211,79 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2_ranks_and_in_a_bare_model(tmp_path
     saved = checkpoint["optimizer"]
     optimizer.load_state_dict({"state": {i: saved["state"][name] for i, name in enumerate(names)},
                                "param_groups": [dict(saved["param_groups"][0], params=list(range(len(names))))]})
-    ids, targets = batches(4)[2]
-    optimizer.zero_grad()
-    loss_of(bare, ids, targets).backward()
-    optimizer.step()
+    assert_third_step_continues(bare, optimizer, batches(4)[2], continued)
+
+
+def assert_third_step_continues(bare, optimizer, batch, continued):
+    """One process's step on the whole batch from a checkpoint's state lands where the sharded run's third step did."""
+    take_steps(bare, optimizer, [batch], slice(None))
     for name, value in bare.named_parameters():
         torch.testing.assert_close(value, continued[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"bare {name}: {m}")
+
+
+def dcp_save_after_two_steps(rank, world, directory):
+    """3 ranks at stage 3: two Adam steps, then torch.distributed.checkpoint saves each rank's pieces of the model and
+    of the optimizer state, nothing gathered; the third step's result returned."""
+    import torch.distributed.checkpoint as dcp
+
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    model = torchpar.ShardedDataParallel(build(), stage=3)
+    optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=0.01)
+    steps = batches(world)
+    take_steps(model, optimizer, steps[:2], mine)
+    dcp.save({"model": model.sharded_state_dict(), "optim": optimizer.sharded_state_dict()}, checkpoint_id=directory)
+    take_steps(model, optimizer, steps[2:], mine)
+    return {key.removeprefix("module."): value for key, value in model.state_dict().items()}
+
+
+def dcp_resume_at_stage_2(rank, world, directory):
+    """The 3-rank checkpoint loaded on this group size into a fresh stage-2 model and optimizer (no state yet), and
+    into FSDP2; the third step of the same global batch taken by both."""
+    import torch.distributed.checkpoint as dcp
+
+    model = torchpar.ShardedDataParallel(build(), stage=2)
+    optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=0.5)  # the checkpoint's 0.01 replaces it
+    state = {"model": model.sharded_state_dict(), "optim": optimizer.sharded_state_dict()}
+    dcp.load(state, checkpoint_id=directory)
+    model.load_sharded_state_dict(state["model"])
+    optimizer.load_sharded_state_dict(state["optim"])
+    mine = slice(rank * 3 * PER_RANK // world, (rank + 1) * 3 * PER_RANK // world)
+    take_steps(model, optimizer, batches(3)[2:], mine)
+    ours = {name: value.clone() for name, value in model.module.state_dict().items()}
+    # The same checkpoint into torch's FSDP2 on these ranks, through torch's own state-dict helpers.
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    theirs = fully_shard(build())
+    theirs_optimizer = torch.optim.Adam([p for p in theirs.parameters() if p.requires_grad], lr=0.5)
+    model_state, optimizer_state = get_state_dict(theirs, theirs_optimizer)
+    state = {"model": model_state, "optim": optimizer_state}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(theirs, theirs_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    take_steps(theirs, theirs_optimizer, batches(3)[2:], mine)
+    fsdp2 = {name: value.full_tensor().detach() for name, value in theirs.named_parameters()}
+    return ours, fsdp2
+
+
+def test_a_dcp_checkpoint_of_3_ranks_at_stage_3_resumes_on_2_at_stage_2_in_fsdp2_and_in_a_bare_model(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import torch.distributed.checkpoint as dcp
+
+    continued = run_on_ranks(3, dcp_save_after_two_steps, str(tmp_path), deadline_s=180)[0]
+    for ours, fsdp2 in run_on_ranks(2, dcp_resume_at_stage_2, str(tmp_path), deadline_s=180):
+        for name, value in continued.items():
+            torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for name, value in fsdp2.items():
+            torch.testing.assert_close(value, continued[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"FSDP2 {name}: {m}")
+    # The checkpoint holds what torch's own state-dict helpers make of a bare model and its Adam: one process loads it.
+    bare = build()
+    optimizer = torch.optim.Adam([p for p in bare.parameters() if p.requires_grad], lr=0.5)
+    model_state, optimizer_state = get_state_dict(bare, optimizer)
+    state = {"model": model_state, "optim": optimizer_state}
+    dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    set_state_dict(bare, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert optimizer.param_groups[0]["lr"] == 0.01
+    assert_third_step_continues(bare, optimizer, batches(3)[2], continued)
 
 
 def load_into_a_wrapped_model(rank, world):

@@ -5,6 +5,8 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <tuple>
+
 namespace torchpar::bindings {
 
 namespace py = pybind11;
@@ -59,6 +61,18 @@ void bind_sharded(py::module_& module) {
       .def("gather_full", &ShardedCoordinator::gather_full, py::arg("shard"), py::arg("shard_like"),
            py::call_guard<py::gil_scoped_release>())
       .def("shard_of", &ShardedCoordinator::shard_of, py::arg("shard"), py::arg("full"))
+      .def(
+          "shard_pieces",
+          [](const ShardedCoordinator& c, size_t shard) {
+            std::vector<std::tuple<size_t, int64_t, int64_t, int64_t>> pieces;
+            for (const auto& piece : sharded::pieces_of(c.layout(), shard, c.rank())) {
+              pieces.emplace_back(piece.parameter, piece.parameter_offset, piece.shard_offset, piece.numel);
+            }
+            return pieces;
+          },
+          py::arg("shard"),
+          "this rank's pieces in shard `shard`: (parameter index, first element in the flattened parameter, "
+          "offset in the shard, elements)")
       .def_property_readonly("unit_count", &ShardedCoordinator::unit_count)
       .def("before_unit_forward", &ShardedCoordinator::before_unit_forward, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>())

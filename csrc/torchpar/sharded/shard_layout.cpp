@@ -22,6 +22,24 @@ int64_t ShardLayout::reduce_scatter_bytes() const {
   return bytes;
 }
 
+std::vector<ShardPiece> pieces_of(const ShardLayout& layout, size_t shard, int rank) {
+  TORCH_CHECK(shard < layout.shards.size(), "sharded: no shard ", shard, " (there are ", layout.shards.size(), ")");
+  TORCH_CHECK(rank >= 0 && rank < layout.world, "sharded: no rank ", rank, " in a group of ", layout.world);
+  std::vector<ShardPiece> pieces;
+  for (const auto& bucket : layout.buckets) {
+    if (bucket.dtype != layout.shards[shard].first) continue;
+    const int64_t piece_start = rank * bucket.piece_numel;
+    for (const auto& slot : bucket.slots) {
+      const int64_t from = std::max(slot.offset, piece_start);
+      const int64_t to = std::min(slot.offset + slot.numel, piece_start + bucket.piece_numel);
+      if (from < to) {
+        pieces.push_back({slot.parameter, from - slot.offset, bucket.shard_offset + from - piece_start, to - from});
+      }
+    }
+  }
+  return pieces;
+}
+
 namespace {
 
 // The buckets given as lists of parameter indices, each of one dtype, laid out in that order.

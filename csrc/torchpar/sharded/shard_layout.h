@@ -39,6 +39,19 @@ struct ShardLayout {
   int64_t reduce_scatter_bytes() const;
 };
 
+// The part of a trained parameter in one rank's shard: its flattened elements [parameter_offset, + numel), at
+// shard_offset in that rank's shard of the parameter's dtype.
+struct ShardPiece {
+  size_t parameter = 0;
+  int64_t parameter_offset = 0;
+  int64_t shard_offset = 0;
+  int64_t numel = 0;
+};
+
+// Rank `rank`'s pieces in its shard `shard` (an index into layout.shards), in shard order: what a checkpoint of
+// that rank's shard holds of each parameter. The shard's other elements are padding.
+std::vector<ShardPiece> pieces_of(const ShardLayout& layout, size_t shard, int rank);
+
 // `numels` and `dtypes` of the trained parameters, the order their gradients are expected in (see
 // reverse_registration_order), the buckets' byte caps in the order they fill (the last repeats, as DDP's: a small
 // first one sends the last layers' gradients early in backward), the group's size.

@@ -363,29 +363,25 @@ std::vector<std::pair<size_t, at::Tensor>> ShardedCoordinator::gather_full(size_
   return full;
 }
 
+int ShardedCoordinator::rank() const {
+  return options_.process_group()->getRank();
+}
+
 at::Tensor ShardedCoordinator::shard_of(size_t shard, const std::vector<at::Tensor>& full) const {
   TORCH_CHECK(shard < layout_.shards.size(), "ShardedDataParallel: no shard ", shard, " (there are ",
               layout_.shards.size(), ")");
   TORCH_CHECK(full.size() == parameters_.size(), "ShardedDataParallel: ", full.size(), " tensors for ",
               parameters_.size(), " trained parameters");
   const auto [dtype, length] = layout_.shards[shard];
-  const int rank = options_.process_group()->getRank();
   at::Tensor result =
       at::zeros({length}, at::TensorOptions().dtype(dtype).device(parameters_.front().device()));
-  for (const auto& bucket : layout_.buckets) {
-    if (bucket.dtype != dtype) continue;
-    const int64_t piece_start = rank * bucket.piece_numel;
-    for (const auto& slot : bucket.slots) {
-      const auto& whole = full[slot.parameter];
-      TORCH_CHECK(whole.numel() == slot.numel, "ShardedDataParallel: the tensor given for parameter ",
-                  names_[slot.parameter], " has ", whole.numel(), " elements, the parameter ", slot.numel);
-      // The part of this parameter inside this rank's piece of the bucket, if any.
-      const int64_t from = std::max(slot.offset, piece_start);
-      const int64_t to = std::min(slot.offset + slot.numel, piece_start + bucket.piece_numel);
-      if (from >= to) continue;
-      result.narrow(0, bucket.shard_offset + from - piece_start, to - from)
-          .copy_(whole.detach().reshape(-1).narrow(0, from - slot.offset, to - from));
-    }
+  for (const auto& piece : pieces_of(layout_, shard, rank())) {
+    const auto& whole = full[piece.parameter];
+    TORCH_CHECK(whole.numel() == parameters_[piece.parameter].numel(), "ShardedDataParallel: the tensor given for "
+                "parameter ", names_[piece.parameter], " has ", whole.numel(), " elements, the parameter ",
+                parameters_[piece.parameter].numel());
+    result.narrow(0, piece.shard_offset, piece.numel)
+        .copy_(whole.detach().reshape(-1).narrow(0, piece.parameter_offset, piece.numel));
   }
   return result;
 }

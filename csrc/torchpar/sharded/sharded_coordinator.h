@@ -43,6 +43,7 @@ class ShardedCoordinator {
   // group (added to what was there, as .grad accumulates).
   const std::vector<at::Tensor>& shard() const { return shard_; }
   const ShardLayout& layout() const { return layout_; }
+  int rank() const;  // this rank's, in the group the shards are cut over
   int stage() const { return options_.stage(); }
 
   bool grad_sync() const { return grad_sync_; }

@@ -14,6 +14,7 @@
 #pragma once
 #include <torchpar/common/module_tensors.h>
 #include <torchpar/common/no_sync_guard.h>
+#include <torchpar/sharded/sharded_checkpoint.h>
 #include <torchpar/sharded/sharded_coordinator.h>
 #include <torchpar/sharded/sharded_optimizer.h>
 #include <torchpar/sharded/unit.h>
@@ -95,10 +96,28 @@ class ShardedDataParallel {
   void reduce_gradients() { coordinator_->reduce_gradients(); }
 
   NoSyncGuard no_sync() { return NoSyncGuard(*coordinator_); }
+  // Each rank writes its pieces of the model and of `optimizer`'s state to <directory>/rank-<r>-of-<N>.pt, nothing
+  // gathered (sharded_checkpoint.h); load_checkpoint reads them on any number of ranks, at any stage (collective).
+  // The whole model instead, loadable into a bare one: unshard(), torch::save(module(), path), reshard().
+  void save_checkpoint(const std::string& directory, ShardedOptimizer& optimizer) {
+    save_sharded_checkpoint(directory, optimizer, replicated_tensors());
+  }
+  void load_checkpoint(const std::string& directory, ShardedOptimizer& optimizer) {
+    auto replicated = replicated_tensors();
+    load_sharded_checkpoint(directory, optimizer, replicated);
+  }
   ModuleHolder& module() { return module_; }
   ShardedCoordinator& coordinator() { return *coordinator_; }
 
  private:
+  // What every rank holds whole: the buffers and the frozen parameters.
+  NamedTensors replicated_tensors() const {
+    auto replicated = named_buffers_of(*module_);
+    for (auto& [name, parameter] : named_parameters_of(*module_)) {
+      if (!parameter.requires_grad()) replicated.emplace_back(name, parameter);
+    }
+    return replicated;
+  }
   ShardedOptions with_default_units(ShardedOptions options) const {
     if constexpr (std::is_same_v<ModuleHolder, torch::nn::Sequential>) {
       if (options.stage() == 3 && options.units().empty()) {

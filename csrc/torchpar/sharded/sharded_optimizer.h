@@ -22,6 +22,7 @@ class ShardedOptimizer {
     return coordinator_->clip_grad_norm(max_norm, norm_type);
   }
   torch::optim::Optimizer& inner() { return *optimizer_; }
+  ShardedCoordinator& coordinator() { return *coordinator_; }
 
  private:
   ShardedCoordinator* coordinator_;
