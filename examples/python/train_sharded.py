@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import logging
 import math
 import pathlib
@@ -52,6 +53,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import torchpar
 import torchpar.plan
+from torchpar.plan.examples import digits_wide_mlp
 
 logger = logging.getLogger("torchpar.examples.train_sharded")
 DATA = pathlib.Path(__file__).resolve().parents[2] / "data" / "digits.pt"
@@ -90,12 +92,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def mlp_layers(hidden: int, layers: int) -> list[nn.Module]:
-    """The MLP as its units: each hidden Linear with its ReLU, then the output Linear."""
-    widths = [64] + [hidden] * layers
-    return [nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths, widths[1:])] + [nn.Linear(hidden, 10)]
-
-
 def shard_elements(numels: list[int], world: int, bucket_cap_bytes: int, element_size: int = 4) -> int:
     """S: the elements of one rank's shard. The engine's buckets (torchpar/sharded/shard_layout.h): parameters in
     reverse registration order, a bucket closing once it holds at least its cap (the first's 1 MiB, as DDP's, then
@@ -128,11 +124,9 @@ def state_predictions(parameters: int, shard: int, unit_shard: int) -> dict[str,
     }
 
 
-def peak_predictions(layers: list[nn.Module], batch: int, world: int, bucket_cap_bytes: int) -> dict:
-    """Each strategy's peak per rank by the planner: a MemoryBreakdown (``tensor_bytes``, ``render()``). The layers
-    are profiled in this process (their activations, and backward's temporaries as the allocator counts them)."""
-    model = torchpar.plan.Model(layers=layers, sample=lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))),
-                                loss=nn.functional.cross_entropy, optimizer="adam")
+def peak_predictions(model: torchpar.plan.Model, batch: int, world: int, bucket_cap_bytes: int) -> dict:
+    """Each strategy's peak per rank by the planner: a MemoryBreakdown (``tensor_bytes``, ``render()``). The model's
+    layers are profiled in this process (their activations, and backward's temporaries as the allocator counts them)."""
     profile, _ = torchpar.plan.profile(model, batch=batch, repeats=1)
     peaks = {}
     for name, stage in (("DDP", 0), ("stage 1", 1), ("stage 2", 2), ("stage 3", 3)):
@@ -210,16 +204,19 @@ def main() -> int:
     before = torchpar.allocator.cpu_memory_allocated()
 
     torch.manual_seed(args.seed)
-    layers = mlp_layers(args.hidden, args.layers)
-    net = nn.Sequential(*[module for layer in layers for module in (layer if isinstance(layer, nn.Sequential)
-                                                                    else [layer])])
+    # The MLP as the planner knows it, its units the layers: each hidden Linear with its ReLU, then the output Linear.
+    planned = digits_wide_mlp(args.hidden, args.layers)
+    net = nn.Sequential(*[module for layer in planned.layers
+                          for module in (layer if isinstance(layer, nn.Sequential) else [layer])])
     numels = [p.numel() for p in net.parameters()]
     parameters = sum(numels)
     bucket_cap_bytes = int(args.bucket_cap_mb * MiB)
     shard = shard_elements(numels, world, bucket_cap_bytes)
     units = [sum(p.numel() for p in module.parameters()) for module in net if isinstance(module, nn.Linear)]
     states = state_predictions(parameters, shard, unit_shard_elements(units, world))
-    peaks = peak_predictions(copy.deepcopy(layers), args.batch_size, world, bucket_cap_bytes)
+    # Profiled on a copy, freed after: the planner's passes leave the model's values alone.
+    peaks = peak_predictions(dataclasses.replace(planned, layers=copy.deepcopy(planned.layers)), args.batch_size,
+                             world, bucket_cap_bytes)
     cap = args.memory_per_rank
     logger.info("MLP 64-%dx%d-10: Ψ = %s fp32 parameters, Adam, %d ranks, %d samples per rank; per rank, predicted, "
                 "against the cap of %.1f MiB on the peak:", args.hidden, args.layers, f"{parameters:,}", world,

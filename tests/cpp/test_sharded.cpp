@@ -4,8 +4,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <tuple>
 #include <ATen/ops/mse_loss.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/tanh.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -110,13 +112,17 @@ torch::nn::Sequential network() {
   return torch::nn::Sequential(torch::nn::Linear(5, 7), torch::nn::Tanh(), torch::nn::Linear(7, 3));
 }
 
-void check_same_parameters(torch::nn::Sequential& ours, torch::nn::Sequential& expected, int stage) {
-  const auto got = ours->parameters();
-  const auto want = expected->parameters();
+void check_same_values(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want) {
+  REQUIRE(got.size() == want.size());
   for (size_t i = 0; i < got.size(); ++i) {
-    INFO("stage " << stage << " parameter " << i);
+    INFO("parameter " << i);
     CHECK(at::allclose(got[i], want[i], 1e-5, 1e-6));
   }
+}
+
+void check_same_parameters(torch::nn::Sequential& ours, torch::nn::Sequential& expected, int stage) {
+  INFO("stage " << stage);
+  check_same_values(ours->parameters(), expected->parameters());
 }
 
 } // namespace
@@ -213,13 +219,74 @@ TEST_CASE("sharded: Unit modules in any LibTorch module are stage 3's units, eac
       optimizer.step();
     }
     sharded.unshard();
-    const auto got = sharded.module()->parameters();
-    const auto want = reference->parameters();
-    REQUIRE(got.size() == want.size());
-    for (size_t i = 0; i < got.size(); ++i) {
-      INFO("parameter " << i);
-      CHECK(at::allclose(got[i], want[i], 1e-5, 1e-6));
+    check_same_values(sharded.module()->parameters(), reference->parameters());
+  });
+}
+
+namespace {
+
+// A block of two tensors in and two out: what a Unit's call() wraps.
+struct GatedImpl : torch::nn::Module {
+  GatedImpl() {
+    value = register_module("value", torch::nn::Linear(5, 6));
+    skip = register_module("skip", torch::nn::Linear(5, 6));
+  }
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& gate) {
+    return {value(x) * gate, skip(x)};
+  }
+  torch::nn::Linear value{nullptr}, skip{nullptr};
+};
+TORCH_MODULE(Gated);
+
+struct GatedNetImpl : torch::nn::Module {
+  GatedNetImpl() {
+    torch::manual_seed(4);
+    stem = register_module("stem", torch::nn::Linear(5, 5));
+    block = register_module("block", torchpar::sharded::Unit(torch::nn::AnyModule(Gated())));
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    // The block's inputs need gradients, so its backward reads its weights: they must be gathered again by then.
+    const auto hidden = at::tanh(stem(x));
+    auto [gated, skipped] =
+        block->call<std::tuple<at::Tensor, at::Tensor>>(hidden, at::sigmoid(hidden.narrow(1, 0, 1)));
+    block_bytes_after_its_forward = block->parameters()[0].storage().nbytes();
+    return head(at::tanh(gated) + at::tanh(skipped));
+  }
+  torchpar::sharded::Unit block{nullptr};
+  torch::nn::Linear stem{nullptr}, head{nullptr};
+  size_t block_bytes_after_its_forward = 0;
+};
+TORCH_MODULE(GatedNet);
+
+} // namespace
+
+TEST_CASE("sharded: a Unit's call() takes and returns several tensors, each output's gradient gathering it again",
+          "[sharded]") {
+  run_on_ranks(2, [](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    constexpr int kPerRank = 3;
+    torch::manual_seed(19);
+    std::vector<std::pair<at::Tensor, at::Tensor>> batches;
+    for (int step = 0; step < 3; ++step) batches.emplace_back(at::randn({world * kPerRank, 5}), at::randn({world * kPerRank, 3}));
+    GatedNet reference;
+    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(0.01));
+    for (const auto& [x, y] : batches) {
+      reference_optimizer.zero_grad();
+      at::mse_loss(reference->forward(x), y).backward();
+      reference_optimizer.step();
     }
+    ShardedDataParallel sharded(GatedNet(), ShardedOptions().process_group(pg).stage(3));
+    CHECK(sharded.coordinator().unit_names() == std::vector<std::string>{"block"});
+    auto optimizer = sharded.optimizer<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
+    for (const auto& [x, y] : batches) {
+      optimizer.zero_grad();
+      const auto output = sharded(x.narrow(0, rank * kPerRank, kPerRank));
+      CHECK(sharded.module()->block_bytes_after_its_forward == 0);  // released after its forward
+      at::mse_loss(output, y.narrow(0, rank * kPerRank, kPerRank)).backward();
+      optimizer.step();
+    }
+    sharded.unshard();
+    check_same_values(sharded.module()->parameters(), reference->parameters());
   });
 }
 

@@ -14,13 +14,16 @@ void UnitImpl::attach(ShardedCoordinator* coordinator, int unit) {
   unit_ = unit;
 }
 
-at::Tensor UnitImpl::forward(const at::Tensor& input) {
-  if (coordinator_ == nullptr) return inner_.forward<at::Tensor>(input);
+void UnitImpl::before_forward() {
   coordinator_->before_unit_forward(unit_);
-  at::Tensor output = inner_.forward<at::Tensor>(input);
+}
+
+void UnitImpl::after_forward() {
   coordinator_->after_unit_forward(unit_);
+}
+
+void UnitImpl::gather_before_backward_of(at::Tensor& output) {
   coordinator_->gather_before_backward_of(unit_, output);
-  return output;
 }
 
 } // namespace torchpar::sharded

@@ -29,9 +29,10 @@ from torchpar.plan.embeddings import sparse_tables
 from torchpar.plan.model import OPTIMIZER_STATE, Model, load_model
 from torchpar.plan.tensor_split import splittable_linear
 
-__all__ = ["Calibration", "Configuration", "Model", "NetworkProfile", "Strategy", "calibration_sample", "default_calibration",
-           "learn_calibration", "load_calibration", "load_model", "measure_heap_retention", "measure_model_pass",
-           "measure_network", "plan", "predict_memory", "predict_step_ms", "profile", "render_table"]
+__all__ = ["Calibration", "Configuration", "Model", "NetworkProfile", "Strategy", "calibration_sample",
+           "default_calibration", "learn_calibration", "load_calibration", "load_model", "measure_heap_retention",
+           "measure_model_pass", "measure_network", "plan", "predict_memory", "predict_step_ms", "profile",
+           "render_table"]
 
 render_table = _engine.render_table
 Configuration = _engine.Configuration
