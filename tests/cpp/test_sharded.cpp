@@ -315,7 +315,8 @@ TEST_CASE("sharded: gradients of a backward run outside the wrapper are reduced 
   });
 }
 
-TEST_CASE("sharded: a checkpoint of 3 ranks at stage 3 resumes on 2 at stage 2, nothing gathered", "[sharded]") {
+TEST_CASE("sharded: a checkpoint of 3 ranks at stage 3 resumes on 2 at stage 2 and in a bare model, nothing gathered",
+          "[sharded]") {
   char name[] = "/tmp/torchpar-sharded-checkpoint-XXXXXX";
   REQUIRE(mkdtemp(name) != nullptr);
   const std::string directory = name;
@@ -347,26 +348,47 @@ TEST_CASE("sharded: a checkpoint of 3 ranks at stage 3 resumes on 2 at stage 2, 
     train(sharded, optimizer, steps[1], rank, world);
     sharded.save_checkpoint(directory, optimizer);
   });
-  run_on_ranks(2, [&](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    // Uninterrupted, in one process: three steps on the whole batches.
-    auto reference = model();
-    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(0.01));
-    for (const auto& [x, y] : batches()) {
-      reference_optimizer.zero_grad();
-      at::mse_loss(reference->forward(x), y).backward();
-      reference_optimizer.step();
-    }
-    // A fresh model of other values and an optimizer with no state yet and another learning rate take the checkpoint.
+  // Uninterrupted, in one process: three steps on the whole batches.
+  auto reference = model();
+  torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(0.01));
+  for (const auto& [x, y] : batches()) {
+    reference_optimizer.zero_grad();
+    at::mse_loss(reference->forward(x), y).backward();
+    reference_optimizer.step();
+  }
+  // What takes the checkpoint: a model of other values, an optimizer with no state yet and another learning rate.
+  const auto fresh = [] {
     torch::manual_seed(99);
-    auto fresh = torch::nn::Sequential(torch::nn::Linear(5, 7), torch::nn::Tanh(), torch::nn::Linear(7, 3));
-    fresh[0]->as<torch::nn::Linear>()->bias.set_requires_grad(false);
-    ShardedDataParallel sharded(fresh, ShardedOptions().process_group(pg).stage(2).bucket_cap_mb(0.0001));
+    auto net = torch::nn::Sequential(torch::nn::Linear(5, 7), torch::nn::Tanh(), torch::nn::Linear(7, 3));
+    net[0]->as<torch::nn::Linear>()->bias.set_requires_grad(false);
+    return net;
+  };
+  run_on_ranks(2, [&](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    ShardedDataParallel sharded(fresh(), ShardedOptions().process_group(pg).stage(2).bucket_cap_mb(0.0001));
     auto optimizer = sharded.optimizer<torch::optim::Adam>(torch::optim::AdamOptions(0.5));
     sharded.load_checkpoint(directory, optimizer);
     CHECK(optimizer.inner().param_groups()[0].options().get_lr() == 0.01);
     train(sharded, optimizer, batches()[2], rank, world);
     check_same_parameters(sharded.module(), reference, 2);
   });
+  // And a bare LibTorch model and Adam in this process.
+  auto bare = fresh();
+  torch::optim::Adam bare_optimizer(bare->parameters(), torch::optim::AdamOptions(0.5));
+  torchpar::sharded::load_sharded_checkpoint(directory, *bare, bare_optimizer);
+  CHECK(bare_optimizer.param_groups()[0].options().get_lr() == 0.01);
+  bare_optimizer.zero_grad();
+  at::mse_loss(bare->forward(batches()[2].first), batches()[2].second).backward();
+  bare_optimizer.step();
+  check_same_values(bare->parameters(), reference->parameters());
+  // Another model's parameter sizes are refused (the message names the first found), smaller or larger.
+  for (const int64_t hidden : {6, 8}) {
+    auto other = torch::nn::Sequential(torch::nn::Linear(5, hidden), torch::nn::Tanh(), torch::nn::Linear(hidden, 3));
+    other[0]->as<torch::nn::Linear>()->bias.set_requires_grad(false);
+    torch::optim::Adam other_optimizer(other->parameters(), torch::optim::AdamOptions(0.01));
+    CHECK_THROWS_WITH(torchpar::sharded::load_sharded_checkpoint(directory, *other, other_optimizer),
+                      Catch::Matchers::Contains("elements in the checkpoint") &&
+                          Catch::Matchers::Contains("saved from another model?"));
+  }
   std::filesystem::remove(std::filesystem::path(directory) / "rank-1-of-3.pt");
   run_on_ranks(2, [&](int, int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     ShardedDataParallel sharded(model(), ShardedOptions().process_group(pg).stage(2));

@@ -1,5 +1,6 @@
 #include <torchpar/sharded/sharded_checkpoint.h>
 
+#include <torchpar/common/module_tensors.h>
 #include <torchpar/sharded/shard_layout.h>
 
 #include <ATen/ops/zeros_like.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -50,10 +52,10 @@ void assign(torch::optim::OptimizerParamState& state, const StateEntries& entrie
   state.serialize(read);
 }
 
-// A per-element state (Adam's moments, a momentum buffer) is shaped like the shard; anything else (a step count)
-// is one value for the whole shard.
-bool per_element(const c10::IValue& value, const at::Tensor& shard) {
-  return value.isTensor() && value.toTensor().dim() == 1 && value.toTensor().numel() == shard.numel();
+// A per-element state (Adam's moments, a momentum buffer) is shaped like the tensor stepped (a shard, a parameter);
+// anything else (a step count) is one value for the whole tensor.
+bool per_element(const c10::IValue& value, const at::Tensor& stepped) {
+  return value.isTensor() && value.toTensor().sizes() == stepped.sizes();
 }
 
 torch::optim::OptimizerParamState* state_of(torch::optim::Optimizer& optimizer, const at::Tensor& shard) {
@@ -61,29 +63,27 @@ torch::optim::OptimizerParamState* state_of(torch::optim::Optimizer& optimizer, 
   return found == optimizer.state().end() ? nullptr : found->second.get();
 }
 
-// Each shard's optimizer state made where it is missing, as torch's own checkpoint helpers do: a step of learning
-// rate 0 on zero gradients, with the shards that have a state left without a gradient (so not stepped).
-void make_state(ShardedOptimizer& optimizer) {
-  auto& inner = optimizer.inner();
-  const auto& shards = optimizer.coordinator().shard();
-  const bool missing = std::any_of(shards.begin(), shards.end(),
-                                   [&](const at::Tensor& shard) { return state_of(inner, shard) == nullptr; });
+// The optimizer's state on each of `stepped` made where it is missing, as torch's own checkpoint helpers do: a step
+// of learning rate 0 on zero gradients, with the tensors that have a state left without a gradient (so not stepped).
+void make_state(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& stepped) {
+  const bool missing = std::any_of(stepped.begin(), stepped.end(),
+                                   [&](const at::Tensor& tensor) { return state_of(optimizer, tensor) == nullptr; });
   if (!missing) return;
   std::vector<at::Tensor> kept_grads;
-  for (auto shard : shards) {
-    kept_grads.push_back(shard.grad());
-    shard.mutable_grad() = state_of(inner, shard) == nullptr ? at::zeros_like(shard) : at::Tensor();
+  for (auto tensor : stepped) {
+    kept_grads.push_back(tensor.grad());
+    tensor.mutable_grad() = state_of(optimizer, tensor) == nullptr ? at::zeros_like(tensor) : at::Tensor();
   }
   std::vector<double> learning_rates;
-  for (auto& group : inner.param_groups()) {
+  for (auto& group : optimizer.param_groups()) {
     learning_rates.push_back(group.options().get_lr());
     group.options().set_lr(0.0);
   }
-  inner.step();
-  for (size_t i = 0; i < learning_rates.size(); ++i) inner.param_groups()[i].options().set_lr(learning_rates[i]);
-  for (size_t i = 0; i < shards.size(); ++i) {
-    auto shard = shards[i];
-    shard.mutable_grad() = kept_grads[i];
+  optimizer.step();
+  for (size_t i = 0; i < learning_rates.size(); ++i) optimizer.param_groups()[i].options().set_lr(learning_rates[i]);
+  for (size_t i = 0; i < stepped.size(); ++i) {
+    auto tensor = stepped[i];
+    tensor.mutable_grad() = kept_grads[i];
   }
 }
 
@@ -114,6 +114,11 @@ int saved_world(const std::string& directory) {
   return world;
 }
 
+int64_t whole_numel(const ShardLayout& layout, size_t parameter) {
+  const auto [bucket, slot] = layout.location[parameter];
+  return layout.buckets[bucket].slots[slot].numel;
+}
+
 } // namespace
 
 void save_sharded_checkpoint(const std::string& directory, ShardedOptimizer& optimizer,
@@ -130,6 +135,7 @@ void save_sharded_checkpoint(const std::string& directory, ShardedOptimizer& opt
       OutputArchive written;
       written.write("name", c10::IValue(names[piece.parameter]));
       written.write("offset", c10::IValue(piece.parameter_offset));
+      written.write("numel", c10::IValue(whole_numel(coordinator.layout(), piece.parameter)));
       // A clone: a view would write the whole shard's storage.
       written.write("values", shard.detach().narrow(0, piece.shard_offset, piece.numel).clone());
       OutputArchive written_state;
@@ -157,27 +163,27 @@ void save_sharded_checkpoint(const std::string& directory, ShardedOptimizer& opt
   archive.save_to(file_of(directory, coordinator.rank(), coordinator.layout().world));
 }
 
-void load_sharded_checkpoint(const std::string& directory, ShardedOptimizer& optimizer, NamedTensors& replicated) {
-  auto& coordinator = optimizer.coordinator();
-  const auto& names = coordinator.parameter_names();
+namespace {
+
+// Where a parameter's loaded elements go: its flattened elements [start, start + numel) of `whole_numel` into
+// `values` (flat, numel long), and into each per-element tensor of `state` (what `stepped` is, a shard or the parameter) from
+// `state_offset` on.
+struct Target {
+  int64_t whole_numel = 0;
+  int64_t start = 0;
+  int64_t numel = 0;
+  at::Tensor values;
+  at::Tensor stepped;
+  StateEntries* state = nullptr;
+  int64_t state_offset = 0;
+  int64_t found = 0;
+};
+
+// Every rank's file of the checkpoint in `directory` read once: the elements each target wants, `replicated`, and the
+// optimizer's options into `optimizer`'s groups. Fails naming what it lacks.
+void read_checkpoint(const std::string& directory, std::map<std::string, Target>& targets, NamedTensors& replicated,
+                     torch::optim::Optimizer& optimizer) {
   const int world = saved_world(directory);
-  make_state(optimizer);
-
-  // This rank's pieces by parameter name, what its shard's state holds, and how much of each piece was found.
-  struct Wanted {
-    size_t shard;
-    ShardPiece piece;
-    int64_t found = 0;
-  };
-  std::map<std::string, Wanted> wanted;
-  std::vector<StateEntries> states;
-  for (size_t s = 0; s < coordinator.shard().size(); ++s) {
-    for (const auto& piece : pieces_of(coordinator.layout(), s, coordinator.rank())) {
-      wanted[names[piece.parameter]] = {s, piece};
-    }
-    states.push_back(entries_of(*state_of(optimizer.inner(), coordinator.shard()[s])));
-  }
-
   at::NoGradGuard no_grad;
   for (int rank = 0; rank < world; ++rank) {
     InputArchive archive;
@@ -187,38 +193,35 @@ void load_sharded_checkpoint(const std::string& directory, ShardedOptimizer& opt
     for (int64_t k = 0; k < count.toInt(); ++k) {
       InputArchive saved;
       archive.read("piece" + std::to_string(k), saved);
-      c10::IValue name, offset;
+      c10::IValue name, offset, saved_numel;
       saved.read("name", name);
       saved.read("offset", offset);
-      const auto here = wanted.find(name.toStringRef());
-      if (here == wanted.end()) continue;
-      auto& entry = here->second;
-      const auto& piece = entry.piece;
-      const size_t s = entry.shard;
-      // The saved piece's elements [from, to) of the parameter that this rank's piece holds too.
+      saved.read("numel", saved_numel);
+      const auto here = targets.find(name.toStringRef());
+      if (here == targets.end()) continue;
+      auto& target = here->second;
+      TORCH_CHECK(saved_numel.toInt() == target.whole_numel, "load_sharded_checkpoint: parameter ", name.toStringRef(),
+                  " has ", saved_numel.toInt(), " elements in the checkpoint in ", directory, " and ",
+                  target.whole_numel, " here: saved from another model?");
+      // The saved piece's elements [from, to) of the parameter that the target wants too.
       at::Tensor values;
       saved.read("values", values);
-      const int64_t from = std::max(offset.toInt(), piece.parameter_offset);
-      const int64_t to = std::min(offset.toInt() + values.numel(), piece.parameter_offset + piece.numel);
-      if (from >= to) continue;
-      entry.found += to - from;
       const int64_t saved_start = offset.toInt();
-      const auto mine = [&piece, from, to](const at::Tensor& shard_like) {
-        return shard_like.narrow(0, piece.shard_offset + from - piece.parameter_offset, to - from);
-      };
-      const auto theirs = [saved_start, from, to](const at::Tensor& saved_piece) {
-        return saved_piece.narrow(0, from - saved_start, to - from);
-      };
-      mine(coordinator.shard()[s].detach()).copy_(theirs(values));
+      const int64_t from = std::max(saved_start, target.start);
+      const int64_t to = std::min(saved_start + values.numel(), target.start + target.numel);
+      if (from >= to) continue;
+      target.found += to - from;
+      target.values.narrow(0, from - target.start, to - from).copy_(values.narrow(0, from - saved_start, to - from));
       InputArchive saved_state;
       saved.read("state", saved_state);
-      for (auto& [key, value] : states[s]) {
+      for (auto& [key, value] : *target.state) {
         c10::IValue saved_value;
         TORCH_CHECK(saved_state.try_read(key, saved_value), "load_sharded_checkpoint: the checkpoint in ", directory,
                     " has no optimizer state '", key, "' for parameter ", name.toStringRef(),
                     " (saved with another optimizer?)");
-        if (per_element(value, coordinator.shard()[s])) {
-          mine(value.toTensor()).copy_(theirs(saved_value.toTensor()));
+        if (per_element(value, target.stepped)) {
+          value.toTensor().reshape(-1).narrow(0, target.state_offset + from - target.start, to - from)
+              .copy_(saved_value.toTensor().narrow(0, from - saved_start, to - from));
         } else {
           value = saved_value;
         }
@@ -241,22 +244,74 @@ void load_sharded_checkpoint(const std::string& directory, ShardedOptimizer& opt
         const auto found = saved_values.find(name);
         TORCH_CHECK(found != saved_values.end(), "load_sharded_checkpoint: the checkpoint in ", directory,
                     " has no value for ", name);
+        TORCH_CHECK(found->second.sizes() == tensor.sizes(), "load_sharded_checkpoint: ", name, " is ",
+                    found->second.sizes(), " in the checkpoint in ", directory, " and ", tensor.sizes(), " here");
         tensor.detach().copy_(found->second);
       }
       archive.read("options", options);
-      for (auto& group : optimizer.inner().param_groups()) group.options().serialize(options);
+      for (auto& group : optimizer.param_groups()) group.options().serialize(options);
     }
   }
-  for (const auto& [name, entry] : wanted) {
-    TORCH_CHECK(entry.found == entry.piece.numel, "load_sharded_checkpoint: the checkpoint in ", directory,
-                " holds ", entry.found, " of the ", entry.piece.numel, " elements of parameter ", name,
-                " that rank ", coordinator.rank(), " needs (from element ", entry.piece.parameter_offset,
-                "): saved from another model?");
+  for (const auto& [name, target] : targets) {
+    TORCH_CHECK(target.found == target.numel, "load_sharded_checkpoint: the checkpoint in ", directory, " holds ",
+                target.found, " of the ", target.numel, " elements of parameter ", name, " wanted (from element ",
+                target.start, "): saved from another model?");
   }
+}
+
+} // namespace
+
+void load_sharded_checkpoint(const std::string& directory, ShardedOptimizer& optimizer, NamedTensors& replicated) {
+  auto& coordinator = optimizer.coordinator();
+  const auto& names = coordinator.parameter_names();
+  make_state(optimizer.inner(), coordinator.shard());
+  std::vector<StateEntries> states;
+  for (const auto& shard : coordinator.shard()) states.push_back(entries_of(*state_of(optimizer.inner(), shard)));
+  std::map<std::string, Target> targets;
+  for (size_t s = 0; s < coordinator.shard().size(); ++s) {
+    const auto shard = coordinator.shard()[s].detach();
+    for (const auto& piece : pieces_of(coordinator.layout(), s, coordinator.rank())) {
+      targets[names[piece.parameter]] = {whole_numel(coordinator.layout(), piece.parameter), piece.parameter_offset,
+                                         piece.numel,
+                                         shard.narrow(0, piece.shard_offset, piece.numel), shard, &states[s],
+                                         piece.shard_offset};
+    }
+  }
+  read_checkpoint(directory, targets, replicated, optimizer.inner());
   for (size_t s = 0; s < coordinator.shard().size(); ++s) {
     assign(*state_of(optimizer.inner(), coordinator.shard()[s]), states[s]);
   }
   if (coordinator.stage() != 3) coordinator.gather_parameters();
+}
+
+void load_sharded_checkpoint(const std::string& directory, torch::nn::Module& module,
+                             torch::optim::Optimizer& optimizer) {
+  NamedTensors trained, replicated = named_buffers_of(module);
+  std::set<const void*> seen;  // a tied parameter under its first name, as the wrapper saved it
+  for (auto& [name, parameter] : named_parameters_of(module)) {
+    if (!parameter.requires_grad()) {
+      replicated.emplace_back(name, parameter);
+    } else if (seen.insert(parameter.unsafeGetTensorImpl()).second) {
+      trained.emplace_back(name, parameter);
+    }
+  }
+  std::vector<at::Tensor> stepped;
+  for (const auto& [name, parameter] : trained) stepped.push_back(parameter);
+  make_state(optimizer, stepped);
+  std::vector<StateEntries> states;
+  for (const auto& parameter : stepped) {
+    const auto* state = state_of(optimizer, parameter);
+    TORCH_CHECK(state != nullptr, "load_sharded_checkpoint: the optimizer does not step parameter ",
+                trained[states.size()].first, "; build it over the module's parameters");
+    states.push_back(entries_of(*state));
+  }
+  std::map<std::string, Target> targets;
+  for (size_t i = 0; i < trained.size(); ++i) {
+    const auto parameter = trained[i].second.detach();
+    targets[trained[i].first] = {parameter.numel(), 0, parameter.numel(), parameter.view(-1), parameter, &states[i], 0};
+  }
+  read_checkpoint(directory, targets, replicated, optimizer);
+  for (size_t i = 0; i < stepped.size(); ++i) assign(*state_of(optimizer, stepped[i]), states[i]);
 }
 
 } // namespace torchpar::sharded
