@@ -5,7 +5,7 @@ The C++ engine lives in ``torchpar._C``; this package is its thin Python face.
 import torch
 import torch.distributed  # registers c10d's Python types (Store, ProcessGroup) that _C hands out
 
-from . import _C, checkpoint, ddp, pipeline, ps, sharded, tensor_parallel
+from . import _C, checkpoint, clean_exit, ddp, pipeline, ps, sharded, tensor_parallel
 from .allocator import keep_freed_memory
 from .backends import register_backends
 from .comm import LaunchError, bind_cores, init_process_group, read_launch_config

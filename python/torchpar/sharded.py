@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import types
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -77,8 +78,8 @@ class ShardedDataParallel(nn.Module):
             _guard_reads(module, self._coordinator, process_group.rank())
         # A state dict loaded into the model (through this wrapper, the module, or torch.distributed.checkpoint)
         # must reach the shards, which the optimizer steps and the next gather spreads.
-        module.register_load_state_dict_pre_hook(self._before_load)
-        module.register_load_state_dict_post_hook(self._after_load)
+        module.register_load_state_dict_pre_hook(_weakly(self._before_load))
+        module.register_load_state_dict_post_hook(_weakly(self._after_load))
 
     @property
     def stage(self) -> int:
@@ -236,6 +237,19 @@ def _unit_names(module: nn.Module, units: Sequence[str | nn.Module] | type | Non
                 raise ValueError(f"ShardedDataParallel: the model has no submodule '{unit}' to make a unit") from None
             result.append(unit)
     return result
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` of an object that the caller does not keep alive. The module's hooks hold it: a bound method of the
+    wrapper there is a cycle (wrapper -> module -> hook -> wrapper) that keeps the wrapper, its process group and the
+    group's worker threads alive past ``del model`` and ``destroy_process_group`` until a garbage collection, or until
+    the interpreter is finalizing, when a Gloo worker dropping a Python-owned tensor aborts the process."""
+    method_ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = method_ref()
+        return None if bound is None else bound(*args, **kwargs)
+    return call
 
 
 def _gather_around(unit_module: nn.Module, coordinator: Any, unit: int) -> None:

@@ -442,6 +442,36 @@ def test_stage_3_trains_as_one_process_holding_only_its_shard_between_units(worl
     assert run_on_ranks(world, stage_3, deadline_s=300) == [True] * world
 
 
+def freed_when_dropped(rank, world):
+    """Dropping the wrapper and its optimizer frees them and the model at once, no garbage collection needed: a
+    cycle through the module's hooks kept the process group and Gloo's worker threads alive until finalization,
+    where they abort the process (torchpar.clean_exit). Those threads are what clean_exit looks for."""
+    import gc
+    import weakref
+
+    from torchpar.clean_exit import gloo_workers_alive
+    ids, targets = batches(world)[0]
+    gc.disable()
+    try:
+        for stage, units in [(1, None), (2, None), (3, ["hidden", "out"])]:
+            net = build()
+            model = torchpar.ShardedDataParallel(net, stage=stage, units=units)
+            optimizer = torchpar.ShardedOptimizer(model, torch.optim.Adam, lr=0.01)
+            nn.functional.cross_entropy(model(ids[:PER_RANK]), targets[:PER_RANK]).backward()
+            optimizer.step()
+            assert gloo_workers_alive()  # started by the group's first collective
+            alive = [weakref.ref(model), weakref.ref(optimizer), weakref.ref(net)]
+            del model, optimizer, net
+            assert [ref() is None for ref in alive] == [True] * 3, f"stage {stage}"
+    finally:
+        gc.enable()
+    return True
+
+
+def test_the_wrapper_is_freed_when_dropped_and_gloo_workers_are_seen():
+    assert run_on_ranks(2, freed_when_dropped, deadline_s=120) == [True, True]
+
+
 def die_before_a_gather(rank, world, where):
     """Rank 1 exits just before unit `out` is gathered, for its forward or for its backward; rank 0 waits in
     that all-gather and must fail within the group's timeout, naming the unit and the rank that is gone."""
