@@ -165,17 +165,16 @@ void save_sharded_checkpoint(const std::string& directory, ShardedOptimizer& opt
 
 namespace {
 
-// Where a parameter's loaded elements go: its flattened elements [start, start + numel) of `whole_numel` into
-// `values` (flat, numel long), and into each per-element tensor of `state` (what `stepped` is, a shard or the parameter) from
-// `state_offset` on.
+// Where a parameter's loaded elements go: its flattened elements [start, start + numel) of `whole_numel`, into the
+// tensor stepped (a shard, or the parameter itself) and each per-element tensor of its optimizer `state`, flat from
+// `offset_in_stepped` on.
 struct Target {
   int64_t whole_numel = 0;
   int64_t start = 0;
   int64_t numel = 0;
-  at::Tensor values;
   at::Tensor stepped;
   StateEntries* state = nullptr;
-  int64_t state_offset = 0;
+  int64_t offset_in_stepped = 0;
   int64_t found = 0;
 };
 
@@ -211,7 +210,14 @@ void read_checkpoint(const std::string& directory, std::map<std::string, Target>
       const int64_t to = std::min(saved_start + values.numel(), target.start + target.numel);
       if (from >= to) continue;
       target.found += to - from;
-      target.values.narrow(0, from - target.start, to - from).copy_(values.narrow(0, from - saved_start, to - from));
+      // Elements [from, to) of a tensor shaped as the stepped one, and of the saved piece's.
+      const auto mine = [&target, from, to](const at::Tensor& stepped_like) {
+        return stepped_like.view(-1).narrow(0, target.offset_in_stepped + from - target.start, to - from);
+      };
+      const auto theirs = [saved_start, from, to](const at::Tensor& saved_piece) {
+        return saved_piece.narrow(0, from - saved_start, to - from);
+      };
+      mine(target.stepped).copy_(theirs(values));
       InputArchive saved_state;
       saved.read("state", saved_state);
       for (auto& [key, value] : *target.state) {
@@ -220,8 +226,7 @@ void read_checkpoint(const std::string& directory, std::map<std::string, Target>
                     " has no optimizer state '", key, "' for parameter ", name.toStringRef(),
                     " (saved with another optimizer?)");
         if (per_element(value, target.stepped)) {
-          value.toTensor().reshape(-1).narrow(0, target.state_offset + from - target.start, to - from)
-              .copy_(saved_value.toTensor().narrow(0, from - saved_start, to - from));
+          mine(value.toTensor()).copy_(theirs(saved_value.toTensor()));
         } else {
           value = saved_value;
         }
@@ -272,9 +277,7 @@ void load_sharded_checkpoint(const std::string& directory, ShardedOptimizer& opt
     const auto shard = coordinator.shard()[s].detach();
     for (const auto& piece : pieces_of(coordinator.layout(), s, coordinator.rank())) {
       targets[names[piece.parameter]] = {whole_numel(coordinator.layout(), piece.parameter), piece.parameter_offset,
-                                         piece.numel,
-                                         shard.narrow(0, piece.shard_offset, piece.numel), shard, &states[s],
-                                         piece.shard_offset};
+                                         piece.numel, shard, &states[s], piece.shard_offset};
     }
   }
   read_checkpoint(directory, targets, replicated, optimizer.inner());
@@ -308,7 +311,7 @@ void load_sharded_checkpoint(const std::string& directory, torch::nn::Module& mo
   std::map<std::string, Target> targets;
   for (size_t i = 0; i < trained.size(); ++i) {
     const auto parameter = trained[i].second.detach();
-    targets[trained[i].first] = {parameter.numel(), 0, parameter.numel(), parameter.view(-1), parameter, &states[i], 0};
+    targets[trained[i].first] = {parameter.numel(), 0, parameter.numel(), parameter, &states[i], 0};
   }
   read_checkpoint(directory, targets, replicated, optimizer);
   for (size_t i = 0; i < stepped.size(); ++i) assign(*state_of(optimizer, stepped[i]), states[i]);
