@@ -4,7 +4,7 @@
 //   ./scripts/setup.sh                  # also writes data/digits.pt
 //   torchrun --nproc-per-node=4 --no-python build/examples/cpp/train_sharded --stage 3 --memory-per-rank 48MiB
 //            [--hidden 1024] [--layers 6] [--epochs 6] [--lr 1e-3] [--batch-size 32] [--bucket-cap-mb 4]
-//            [--data data/digits.pt]   (TORCHPAR_BACKEND=shm for shared memory)
+//            [--data data/digits.pt] [--no-keep-freed-memory]   (TORCHPAR_BACKEND=shm for shared memory)
 //
 // The MLP is 64-H-...-H-10 (--layers hidden layers of H; Ψ parameters, fp32, Adam). --memory-per-rank caps what the
 // CPU allocator holds for a rank at its fullest moment (torchpar::cpu_allocations: the process's own libraries and
@@ -19,17 +19,23 @@
 // (parameters and their gradients, the shard and its gradient, Adam's state; a storage once), and prints them beside
 // the predictions in one line:
 //   train_sharded: 4 ranks, stage 3, peak allocated 39.8 MiB per rank (predicted 40.8, DDP's 103.1, cap 48.0),
-//   model state 20.3 MiB (predicted 20.3), 6 epochs in 8.97 s, test accuracy 96.9%
+//   model state 20.3 MiB (predicted 20.3), resident set +33.9 MiB (predicted 33.1), 6 epochs in 8.97 s,
+//   test accuracy 96.9%
+// The resident set is the rank's growth from just before wrapping (the libraries' pages aside) under
+// torchpar::keep_freed_memory(), as the planner predicts it: the tensors' peak beyond the model built whole, the
+// shm segment's pages. --no-keep-freed-memory leaves freed memory to glibc; its resident set is then only measured.
 // On a Gloo group of one host the wrapper's data goes through an shm group beside it (torchpar::shm_group_beside,
 // made here first so that the prediction knows; TORCHPAR_DDP_SAME_HOST=0: through Gloo, whose reduce-scatter
 // clones its input: a higher peak, predicted too).
 // Exit status 1 when the accuracy is below 95% or the peak measured exceeds the cap.
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdint>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -41,6 +47,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include <torchpar/comm/shm/layout.h>
 #include <torchpar/common/cpu_allocations.h>
 
 #include <ATen/ops/cross_entropy_loss.h>
@@ -68,6 +75,7 @@ struct Arguments {
   std::string data = "data/digits.pt";
   int stage = 3;
   int64_t memory_per_rank = 48 << 20;
+  bool keep_freed_memory = true;
   int64_t hidden = 1024;
   int64_t layers = 6;
   int epochs = 6;
@@ -97,6 +105,10 @@ Arguments parse(int argc, char** argv) {
   Arguments arguments;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--no-keep-freed-memory") {
+      arguments.keep_freed_memory = false;
+      continue;
+    }
     if (i + 1 >= argc) {
       throw std::invalid_argument("missing value after " + flag);
     }
@@ -125,7 +137,7 @@ Arguments parse(int argc, char** argv) {
       arguments.bucket_cap_mb = std::stod(value);
     } else {
       throw std::invalid_argument("unknown option " + flag + " (--stage, --memory-per-rank, --hidden, --layers, "
-                                  "--epochs, --lr, --batch-size, --bucket-cap-mb, --data)");
+                                  "--epochs, --lr, --batch-size, --bucket-cap-mb, --data, --no-keep-freed-memory)");
     }
   }
   if (arguments.hidden < 1 || arguments.layers < 1) {
@@ -193,15 +205,18 @@ std::vector<torchpar::pipeline::LayerFactory> mlp_layers(int64_t hidden, int64_t
 }
 
 // Each strategy's peak per rank by the planner, from a profile of the layers in this process (their activations,
-// and backward's temporaries as the allocator counts them).
+// and backward's temporaries as the allocator counts them); its resident set where freed memory is kept.
 std::vector<torchpar::plan::MemoryBreakdown> peak_predictions(int64_t hidden, int64_t layers, int64_t batch,
-                                                              const c10d::ProcessGroup& group, double bucket_cap_mb) {
+                                                              const c10d::ProcessGroup& group, bool through_shm,
+                                                              double bucket_cap_mb) {
   namespace plan = torchpar::plan;
   const auto model = plan::profile_layers(mlp_layers(hidden, layers), {at::randn({batch, 64})}, /*repeats=*/1);
   const int world = group.getSize();
   // The tensors need no timings, only how the reduce-scatters go: through Gloo, each clones its input.
   plan::NetworkProfile network;
   network.reduce_scatter_clones_input = group.getBackendName() == "gloo";
+  network.host_memory.keeps_freed_memory = torchpar::keeping_freed_memory();
+  if (through_shm) network.host_memory.shm_chunk_bytes = torchpar::comm::shm::kChunkBytes;
   plan::TrainingSetup setup;
   setup.batch = batch * world;
   setup.optimizer_state_factor = 2;  // Adam
@@ -229,6 +244,29 @@ int64_t storage_bytes(const std::vector<at::Tensor>& tensors, std::unordered_set
     }
   }
   return total;
+}
+
+// A field of /proc/self/status in bytes (0 where Linux does not tell).
+int64_t status_bytes(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
+  }
+  return 0;
+}
+
+// The resident set beyond the libraries' pages (code run for the first time is not memory held), after handing
+// freed memory back and resetting the high-water mark that resident_peak() reads.
+int64_t start_resident_watch() {
+  torchpar::release_freed_memory();
+  malloc_trim(0);
+  std::ofstream("/proc/self/clear_refs") << "5";
+  return status_bytes("VmRSS") - status_bytes("RssFile");
+}
+
+int64_t resident_peak() {
+  return status_bytes("VmHWM") - status_bytes("RssFile");
 }
 
 std::string mib(double bytes) {
@@ -264,8 +302,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   const auto& [train_x, train_y, test_x, test_y] = digits;
-  // The allocator's view of the peak: every CPU tensor allocation from here on is counted, beside the data.
-  torchpar::count_cpu_allocations();
+  // The allocator's view of the peak: every CPU tensor allocation from here on is counted, beside the data; freed
+  // blocks kept for reuse, as the planner measures (it counts too).
+  if (arguments.keep_freed_memory) {
+    torchpar::keep_freed_memory();
+  } else {
+    torchpar::count_cpu_allocations();
+  }
   const int64_t allocated_before = torchpar::cpu_allocations().current;
   torch::manual_seed(0);
   const int64_t hidden = arguments.hidden;
@@ -290,7 +333,7 @@ int main(int argc, char** argv) {
   // What the wrapper would do itself: on a Gloo group of one host, its data goes through an shm group beside it.
   const auto data_group = torchpar::shm_group_beside(group);
   auto peaks = peak_predictions(hidden, arguments.layers, static_cast<int64_t>(arguments.batch_size),
-                                data_group ? *data_group : *group,
+                                data_group ? *data_group : *group, data_group != nullptr,
                                 arguments.bucket_cap_mb);
   const std::vector<Prediction> predicted = {
       {"DDP", 16 * psi, "4Ψ params + 4Ψ grads + 8Ψ Adam", peaks[0]},
@@ -330,6 +373,8 @@ int main(int argc, char** argv) {
   if (rank == 0) std::cerr << chosen.name << " at its peak, by the planner:\n" << chosen.peak.render();
   // The profile's allocations are gone; the peak from here on is the model's, built whole, wrapped, trained.
   torchpar::reset_cpu_allocation_peak();
+  const int64_t resident_before = start_resident_watch();
+  const int64_t held_before = torchpar::cpu_allocations().current - allocated_before;  // the model built whole
 
   // The three lines that make it sharded: wrap the module, build the optimizer over this rank's shard, call the
   // wrapper. Rank 0's weights are copied to every rank; at stage 3 a rank keeps only its shard between steps.
@@ -367,6 +412,8 @@ int main(int argc, char** argv) {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const int64_t peak = torchpar::cpu_allocations().peak - allocated_before;
+  const int64_t resident = resident_peak() - resident_before;
+  const int64_t resident_predicted = chosen.peak.total() - held_before;
   if (rank == 0 && ::isatty(2)) std::cerr << std::endl;
 
   // What the rank holds after its last step, before the next zero_grad: the most it holds between steps.
@@ -398,10 +445,11 @@ int main(int argc, char** argv) {
               << " MiB; measured - predicted = " << measured - chosen.state_bytes << " bytes)" << std::endl;
   }
   // The rank holding the most, of each.
-  std::vector<at::Tensor> largest{at::tensor({peak, measured}, at::kLong)};
+  std::vector<at::Tensor> largest{at::tensor({peak, measured, resident}, at::kLong)};
   group->allreduce(largest, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
   const int64_t peak_measured = largest[0][0].item<int64_t>();
   measured = largest[0][1].item<int64_t>();
+  const int64_t resident_measured = largest[0][2].item<int64_t>();
 
   torch::NoGradGuard no_grad;
   model->eval();
@@ -411,7 +459,10 @@ int main(int argc, char** argv) {
     std::cout << "train_sharded: " << world << " ranks, " << chosen.name << ", peak allocated "
               << mib(static_cast<double>(peak_measured)) << " MiB per rank (predicted " << mib(chosen.peak.tensor_bytes())
               << ", DDP's " << mib(predicted[0].peak.tensor_bytes()) << ", cap " << mib(cap) << "), model state "
-              << mib(measured) << " MiB (predicted " << mib(chosen.state_bytes) << "), " << arguments.epochs
+              << mib(measured) << " MiB (predicted " << mib(chosen.state_bytes) << "), resident set +"
+              << mib(resident_measured) << " MiB ("
+              << (arguments.keep_freed_memory ? "predicted " + mib(resident_predicted) : "glibc's, not predicted")
+              << "), " << arguments.epochs
               << " epochs in " << std::fixed << std::setprecision(2) << seconds << " s, test accuracy "
               << std::setprecision(1) << 100 * accuracy << "%" << std::endl;
     if (accuracy < kTargetAccuracy) std::cerr << "train_sharded: below the 95% this example should reach" << std::endl;

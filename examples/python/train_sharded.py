@@ -54,6 +54,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import torchpar
 import torchpar.plan
 from torchpar.plan.examples import digits_wide_mlp
+from torchpar.plan.verify import resident_kib, start_memory_watch
+from torchpar.same_host import shm_group_beside
 
 logger = logging.getLogger("torchpar.examples.train_sharded")
 DATA = pathlib.Path(__file__).resolve().parents[2] / "data" / "digits.pt"
@@ -86,6 +88,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", choices=["gloo", "shm"], default=None,
                         help="process-group backend (default: $TORCHPAR_BACKEND, else gloo)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-keep-freed-memory", action="store_true",
+                        help="leave freed memory to glibc, as a fresh process does (torchpar.keep_freed_memory: "
+                             "docs/launching.md); the resident set is then measured, not predicted")
     args = parser.parse_args()
     if args.hidden < 1 or args.layers < 1:
         parser.error("--hidden and --layers must be at least 1")
@@ -125,9 +130,17 @@ def state_predictions(parameters: int, shard: int, unit_shard: int) -> dict[str,
 
 
 def peak_predictions(model: torchpar.plan.Model, batch: int, world: int, bucket_cap_bytes: int) -> dict:
-    """Each strategy's peak per rank by the planner: a MemoryBreakdown (``tensor_bytes``, ``render()``). The model's
-    layers are profiled in this process (their activations, and backward's temporaries as the allocator counts them)."""
+    """Each strategy's peak per rank by the planner: a MemoryBreakdown (``tensor_bytes``; ``total``, the resident
+    set; ``render()``). The model's layers are profiled in this process (their activations, and backward's
+    temporaries as the allocator counts them), and where freed memory is kept, what the heap keeps beyond the
+    tensors while it trains in this process."""
     profile, _ = torchpar.plan.profile(model, batch=batch, repeats=1)
+    network = torchpar.plan.NetworkProfile()
+    network.host_memory.keeps_freed_memory = torchpar.allocator.keeping_freed_memory()
+    if network.host_memory.keeps_freed_memory:
+        profile.heap_retention_bytes = torchpar.plan.measure_heap_retention(model, batch)
+    if shm_group_beside(dist.group.WORLD, torch.device("cpu")) is not None:  # the engine's collectives' segment
+        network.host_memory.shm_chunk_bytes = torchpar._C.plan.SHM_CHUNK_BYTES
     peaks = {}
     for name, stage in (("DDP", 0), ("stage 1", 1), ("stage 2", 2), ("stage 3", 3)):
         configuration = torchpar.plan.Configuration()
@@ -135,7 +148,8 @@ def peak_predictions(model: torchpar.plan.Model, batch: int, world: int, bucket_
         if stage:  # DDP keeps torch's bucket caps
             configuration.strategy, configuration.zero_stage = torchpar.plan.Strategy.sharded, stage
             configuration.bucket_bytes = bucket_cap_bytes
-        peaks[name] = torchpar.plan.predict_memory(model, profile, configuration, batch=batch * world)
+        peaks[name] = torchpar.plan.predict_memory(model, profile, configuration, batch=batch * world,
+                                                   network=network)
     return peaks
 
 
@@ -200,7 +214,10 @@ def main() -> int:
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
     loss_fn = nn.CrossEntropyLoss()
     # The allocator's view of the peak: what is allocated from here on, beside the data.
-    torchpar.allocator.count_cpu_allocations()
+    if args.no_keep_freed_memory:
+        torchpar.allocator.count_cpu_allocations()
+    else:
+        torchpar.keep_freed_memory()  # also counts
     before = torchpar.allocator.cpu_memory_allocated()
 
     torch.manual_seed(args.seed)
@@ -238,6 +255,9 @@ def main() -> int:
 
     # The profile's allocations are gone; the peak from here on is the model's, built whole, wrapped, trained.
     torchpar.allocator.reset_cpu_peak_memory()
+    # The resident set from here on, the libraries' pages aside (code run for the first time, not memory held).
+    resident_before = (start_memory_watch() or 0) - (resident_kib("RssFile") or 0)
+    held_before = torchpar.allocator.cpu_memory_allocated() - before  # the model built whole, already resident
     # Rank 0's weights are copied to every rank; at stage 3 each Linear layer (the Sequential's children that hold
     # parameters) is a unit, gathered for its forward and backward only.
     model = torchpar.ShardedDataParallel(net, stage=args.stage, bucket_cap_mb=args.bucket_cap_mb)
@@ -259,6 +279,8 @@ def main() -> int:
         logger.info("epoch %d/%d  loss %.4f", epoch + 1, args.epochs, loss_sum / len(loader))
     seconds = time.perf_counter() - start
     peak = torchpar.allocator.cpu_max_memory_allocated() - before
+    resident = ((resident_kib("VmHWM") or 0) - (resident_kib("RssFile") or 0) - resident_before) * 1024
+    resident_predicted = peaks[chosen].total - held_before
 
     # What the rank holds after its last step, before the next zero_grad: the most it holds between steps.
     held = held_bytes(net, model, optimizer)
@@ -269,13 +291,15 @@ def main() -> int:
                 state_predicted / MiB, state - state_predicted)
     correct, total = test_accuracy(model, data["test_x"], data["test_y"], rank, world)
     accuracy = correct / total
-    largest = torch.tensor([peak, state], dtype=torch.int64)
+    largest = torch.tensor([peak, state, resident], dtype=torch.int64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the rank holding the most
-    peak, state = map(int, largest)
+    peak, state, resident = map(int, largest)
+    resident_line = (f"resident set +{resident / MiB:.1f} MiB (glibc's, not predicted)" if args.no_keep_freed_memory
+                     else f"resident set +{resident / MiB:.1f} MiB (predicted {resident_predicted / MiB:.1f})")
     if rank == 0:
         print(f"train_sharded: {world} ranks, {chosen}, peak allocated {peak / MiB:.1f} MiB per rank (predicted "
               f"{needed / MiB:.1f}, DDP's {peaks['DDP'].tensor_bytes / MiB:.1f}, cap {cap / MiB:.1f}), model state "
-              f"{state / MiB:.1f} MiB (predicted {state_predicted / MiB:.1f}), {args.epochs} epochs in {seconds:.2f} s, "
+              f"{state / MiB:.1f} MiB (predicted {state_predicted / MiB:.1f}), {resident_line}, {args.epochs} epochs in {seconds:.2f} s, "
               f"test accuracy {100 * accuracy:.1f}%", flush=True)
         if accuracy < TARGET_ACCURACY:
             logger.error("below the %.0f%% this example should reach", 100 * TARGET_ACCURACY)

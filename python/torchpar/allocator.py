@@ -3,11 +3,14 @@ page: PyTorch's CPU tensors come straight from malloc. A fresh process maps ever
 its own and unmaps it when freed, and trims the top of its heap once 128 KiB there is free (both limits rise only
 when a large mapped block is freed). On this project's 2-core machine the deep MLP of ``torchpar.plan.examples``
 took 1,200-1,800 page faults per forward and backward and 6-9 ms, against none and ~4.5 ms with freed memory
-kept; and how fast a step ran depended on what the process had allocated before (docs/planner.md).
+kept; and how fast a step ran depended on what the process had allocated before (docs/planner.md). Keeping freed
+blocks in glibc's heap instead (its thresholds raised) costs memory that grows: blocks of other sizes fall between
+the freed ones, and the sharded engine's heap reached 2-3x its tensors' peak after 400 steps, still growing.
 
-:func:`keep_freed_memory` fixes both limits, as ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` would
-at launch (C++ programs: set those two variables). The cost: up to ``trim_threshold`` bytes of freed memory stay
-resident.
+:func:`keep_freed_memory` makes torchpar's CPU allocator map each tensor block of 128 KiB and more itself and keep
+it once freed for the next block of its size, as the CUDA caching allocator does on the GPU: after the first steps
+nothing is faulted in and the resident set stops growing at what the allocator reserved
+(:func:`cpu_max_memory_reserved`). C++: ``torchpar::keep_freed_memory()``.
 
 LibTorch keeps no count of CPU tensor memory (``torch.cuda.max_memory_allocated`` has no CPU counterpart):
 :func:`count_cpu_allocations` installs one around its CPU allocator, and :func:`cpu_memory_allocated`,
@@ -16,35 +19,28 @@ holds, beside its resident set.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
-import os
-import platform
 
 from . import _C
 
-logger = logging.getLogger("torchpar.allocator")
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-LARGEST_MMAP_THRESHOLD = 32 << 20  # glibc's ceiling on 64-bit systems (4 MiB * sizeof(long))
+SMALLEST_KEPT_BLOCK = _C.memory.SMALLEST_KEPT_BLOCK
 
 
-def keep_freed_memory(mmap_threshold: int = LARGEST_MMAP_THRESHOLD, trim_threshold: int = 256 << 20) -> bool:
-    """Blocks under `mmap_threshold` come from the heap and up to `trim_threshold` free bytes at its top stay
-    there. Returns whether glibc took both; False (and nothing changed) elsewhere, or where the process was
-    launched with either variable set, which then wins."""
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    taken = bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(min(mmap_threshold, LARGEST_MMAP_THRESHOLD))))
-    taken = bool(libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(trim_threshold))) and taken
-    if not taken:
-        logger.warning("glibc refused the allocator limits (mmap %d, trim %d bytes)", mmap_threshold, trim_threshold)
-    return taken
+def keep_freed_memory(most_kept_free: int = 256 << 20) -> None:
+    """From now on CPU tensor blocks of ``SMALLEST_KEPT_BLOCK`` bytes and more are kept once freed and reused for
+    the next block of their size; once more than `most_kept_free` bytes of blocks are free, the least recently
+    freed go back to the system. Also counts allocations (:func:`count_cpu_allocations`). Idempotent; a second
+    call only changes `most_kept_free`."""
+    _C.memory.keep_freed_memory(most_kept_free)
+
+
+def keeping_freed_memory() -> bool:
+    """Whether :func:`keep_freed_memory` was called in this process."""
+    return _C.memory.keeping_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Every kept free block back to the system (``torch.cuda.empty_cache``'s counterpart)."""
+    _C.memory.release_freed_memory()
 
 
 def count_cpu_allocations() -> None:
@@ -67,6 +63,16 @@ def cpu_max_memory_allocated() -> int:
     return _C.memory.cpu_allocations()[1]
 
 
+def cpu_memory_reserved() -> int:
+    """Bytes of blocks :func:`keep_freed_memory` keeps mapped, in use and free (0 before it was called)."""
+    return _C.memory.cpu_allocations()[2]
+
+
+def cpu_max_memory_reserved() -> int:
+    """The most :func:`cpu_memory_reserved` was since :func:`reset_cpu_peak_memory` (or counting began)."""
+    return _C.memory.cpu_allocations()[3]
+
+
 def reset_cpu_peak_memory() -> None:
-    """The peak set to what is allocated now."""
+    """The peaks (allocated and reserved) set to what is allocated and reserved now."""
     _C.memory.reset_cpu_allocation_peak()

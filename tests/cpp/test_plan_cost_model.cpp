@@ -520,7 +520,7 @@ TEST_CASE("plan: a deep model over the memory cap goes to the pipeline") {
   CHECK_THAT(result.recommended_cpp, Contains("torchpar::pipeline::PipelineOptions()"));
   // What the planner measured with, so that the training it recommends runs as predicted.
   CHECK_THAT(result.recommended_python, Contains("torchpar.keep_freed_memory()"));
-  CHECK_THAT(result.recommended_cpp, Contains("MALLOC_TRIM_THRESHOLD_=268435456"));
+  CHECK_THAT(result.recommended_cpp, Contains("torchpar::keep_freed_memory();"));
   // Without the cap the same model trains fastest with DDP (its compute splits 4 ways, its all-reduces
   // hide behind backward).
   const auto uncapped = planner.plan(plan::PlanOptions().world(4));
@@ -631,7 +631,7 @@ TEST_CASE("plan: with more cuts than it tries, the planner's local search still 
   CHECK(capped.memory_per_rank <= cap);
 }
 
-TEST_CASE("plan: the memory model's resident-only lines: rings, the shm segment, glibc's retention, the process") {
+TEST_CASE("plan: the memory model's resident-only lines: rings, the shm segment, the heap's retention, the process") {
   CHECK(plan::ring_pages(16 * kMiB, 100 << 10) == 4 * kMiB + (100 << 10));  // a quarter plus what is in flight
   CHECK(plan::ring_pages(16 * kMiB, 20.0 * kMiB) == 16 * kMiB);            // at most the ring
   CHECK(plan::ring_pages(0, 1 << 20) == 0);                                // no rings
@@ -643,12 +643,12 @@ TEST_CASE("plan: the memory model's resident-only lines: rings, the shm segment,
   host.keeps_freed_memory = true;
   plan::MemoryBreakdown memory;
   memory.add("parameters", 8.0 * kMiB);
-  plan::add_host_lines(memory, host, 4.0 * kMiB);  // 4 MiB of freed blocks kept
+  plan::add_host_lines(memory, host, 4.0 * kMiB);  // 4 MiB of the heap's small blocks kept
   CHECK(memory.tensor_bytes() == 8 * kMiB);
   CHECK(memory.total() == 15 * kMiB);
-  CHECK_THAT(memory.render(), Contains("freed blocks glibc keeps") && Contains("resident only") &&
+  CHECK_THAT(memory.render(), Contains("heap's small blocks (measured)") && Contains("resident only") &&
                                   Contains("resident set"));
-  host.keeps_freed_memory = false;  // glibc's defaults: large blocks mapped on their own, unmapped when freed
+  host.keeps_freed_memory = false;  // glibc's defaults: its retention is not predicted
   plan::MemoryBreakdown defaults;
   plan::add_host_lines(defaults, host, 4.0 * kMiB);
   CHECK(defaults.total() == 3 * kMiB);
@@ -666,8 +666,7 @@ TEST_CASE("plan: the memory model's resident-only lines: rings, the shm segment,
   CHECK(p.tensor_memory_per_rank == 6 * kMiB + 800);
   CHECK(p.memory_per_rank - p.tensor_memory_per_rank == 2 * plan::ring_pages(16 * kMiB, 2 * 200));
   // DDP beside an shm group: its segment's pages as far as its largest bucket (a layer, 2 MiB) reaches, the
-  // model's measured heap retention (a rank re-making all its gradients keeps all of it: 5 MiB, more than those
-  // 4 MiB of gradients), the process's 3 MiB,
+  // model's measured heap retention (a rank re-making all its gradients keeps all of it: 5 MiB), the process's 3 MiB,
   // and the last layer's backward temporaries (1 MiB at 8 samples: 0.5 MiB at a rank's 4) as tensors, beside
   // every layer's activations (its backward runs first, before any activation is freed).
   auto model = equal_layers(2, 2 * kMiB);
@@ -681,7 +680,7 @@ TEST_CASE("plan: the memory model's resident-only lines: rings, the shm segment,
   const auto d = plan::predict(model, net, batch_of(8), ddp);
   CHECK(d.tensor_memory_per_rank == 16 * kMiB + 800 + kMiB / 2);
   CHECK(d.memory_per_rank - d.tensor_memory_per_rank == 2 * kMiB + 5 * kMiB + 3 * kMiB);
-  // A 2-stage pipeline's rank re-makes half the gradients (2 MiB): half the retention, 2.5 MiB, being more.
+  // A 2-stage pipeline's rank re-makes half the gradients: half the retention, 2.5 MiB.
   const auto half = plan::predict(model, net, batch_of(8), pipe);
   CHECK(half.memory_per_rank - half.tensor_memory_per_rank ==
         2 * plan::ring_pages(16 * kMiB, 2 * 200) + 5 * kMiB / 2 + 3 * kMiB);

@@ -1,11 +1,14 @@
 #include <torchpar/common/cpu_allocations.h>
 
+#include <torchpar/common/cpu_block_cache.h>
+
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 
@@ -14,18 +17,28 @@ namespace {
 
 // Keeps LibTorch's own allocator underneath (its alignment, its memory-profiler reports) and the DataPtr's context
 // equal to its data, as the default allocator's, so raw_allocate/raw_deallocate keep working; the size of each
-// live allocation is kept by address for its release.
+// live allocation is kept by address for its release. Large blocks come from the block cache once there is one.
 class CountingCpuAllocator final : public c10::Allocator {
  public:
   explicit CountingCpuAllocator(c10::Allocator* underlying) : underlying_(underlying) {}
 
   c10::DataPtr allocate(size_t bytes) override {
-    void* data = underlying_->raw_allocate(bytes);
-    if (data != nullptr) {
+    void* data = nullptr;
+    {
       std::lock_guard<std::mutex> lock(mutex_);
-      sizes_[data] = bytes;
-      counts_.current += static_cast<int64_t>(bytes);
-      counts_.peak = std::max(counts_.peak, counts_.current);
+      if (cache_ && cache_->serves(bytes)) {
+        data = cache_->take(bytes);
+        TORCH_CHECK(data != nullptr, "torchpar's CPU allocator: the system maps no more memory for a block of ",
+                    bytes, " bytes (", cache_->reserved_bytes(), " bytes mapped for tensors, all in use)");
+        record(data, bytes);
+      }
+    }
+    if (data == nullptr) {
+      data = underlying_->raw_allocate(bytes);
+      if (data != nullptr) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        record(data, bytes);
+      }
     }
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
@@ -36,6 +49,27 @@ class CountingCpuAllocator final : public c10::Allocator {
     default_copy_data(destination, source, count);
   }
 
+  void keep_freed_blocks(size_t most_kept_free) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (cache_) {
+      cache_->keep_at_most(most_kept_free);
+    } else {
+      cache_ = std::make_unique<CpuBlockCache>(kSmallestKeptBlock, most_kept_free);
+    }
+    note_reserved();
+  }
+
+  bool keeps_freed_blocks() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return cache_ != nullptr;
+  }
+
+  void release_free_blocks() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (cache_) cache_->release_free_blocks();
+    note_reserved();
+  }
+
   CpuAllocations counts() {
     std::lock_guard<std::mutex> lock(mutex_);
     return counts_;
@@ -44,14 +78,29 @@ class CountingCpuAllocator final : public c10::Allocator {
   void reset_peak() {
     std::lock_guard<std::mutex> lock(mutex_);
     counts_.peak = counts_.current;
+    counts_.peak_reserved = counts_.reserved;
   }
 
  private:
   static void release(void* data);
 
+  // Under mutex_.
+  void record(void* data, size_t bytes) {
+    sizes_[data] = bytes;
+    counts_.current += static_cast<int64_t>(bytes);
+    counts_.peak = std::max(counts_.peak, counts_.current);
+    note_reserved();
+  }
+
+  void note_reserved() {
+    counts_.reserved = cache_ ? cache_->reserved_bytes() : 0;
+    counts_.peak_reserved = std::max(counts_.peak_reserved, counts_.reserved);
+  }
+
   c10::Allocator* underlying_;
   std::mutex mutex_;
   std::unordered_map<void*, size_t> sizes_;
+  std::unique_ptr<CpuBlockCache> cache_;
   CpuAllocations counts_;
 };
 
@@ -69,8 +118,18 @@ void CountingCpuAllocator::release(void* data) {
       counter->counts_.current -= static_cast<int64_t>(found->second);
       counter->sizes_.erase(found);
     }
+    if (counter->cache_ && counter->cache_->give_back(data)) {
+      counter->note_reserved();
+      return;
+    }
   }
   counter->underlying_->raw_deallocate(data);
+}
+
+CountingCpuAllocator& installed_counter(const char* caller) {
+  auto* counter = installed.load(std::memory_order_acquire);
+  TORCH_CHECK(counter != nullptr, caller, ": call count_cpu_allocations() first");
+  return *counter;
 }
 
 } // namespace
@@ -95,15 +154,25 @@ bool counting_cpu_allocations() {
 }
 
 CpuAllocations cpu_allocations() {
-  auto* counter = installed.load(std::memory_order_acquire);
-  TORCH_CHECK(counter != nullptr, "cpu_allocations: call count_cpu_allocations() first");
-  return counter->counts();
+  return installed_counter("cpu_allocations").counts();
 }
 
 void reset_cpu_allocation_peak() {
+  installed_counter("reset_cpu_allocation_peak").reset_peak();
+}
+
+void keep_freed_memory(size_t most_kept_free) {
+  count_cpu_allocations();
+  installed_counter("keep_freed_memory").keep_freed_blocks(most_kept_free);
+}
+
+bool keeping_freed_memory() {
   auto* counter = installed.load(std::memory_order_acquire);
-  TORCH_CHECK(counter != nullptr, "reset_cpu_allocation_peak: call count_cpu_allocations() first");
-  counter->reset_peak();
+  return counter != nullptr && counter->keeps_freed_blocks();
+}
+
+void release_freed_memory() {
+  if (auto* counter = installed.load(std::memory_order_acquire)) counter->release_free_blocks();
 }
 
 } // namespace torchpar

@@ -43,7 +43,7 @@ Prediction predict_data_parallel(const ModelProfile& model, const NetworkProfile
                false);
   }
   memory.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
-  add_host_lines(memory, network.host_memory, retained(model, whole));
+  add_host_lines(memory, network.host_memory, heap_retained(model, whole));
   settle_memory(prediction);
   prediction.bytes_per_step = world > 1 ? 2 * (world - 1) * parameters / world : 0;  // ring all-reduce
   prediction.samples_per_second = static_cast<double>(setup.batch) * 1000.0 / prediction.step_ms;

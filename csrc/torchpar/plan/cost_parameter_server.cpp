@@ -93,7 +93,7 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
   worker.add("activations", static_cast<double>(all_activation_bytes(model, samples)));
   worker.add("parameter server rings' pages", servers * channel_pages((parameters + touched) / servers), false);
   worker.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
-  add_host_lines(worker, network.host_memory, retained(model, parameters));
+  add_host_lines(worker, network.host_memory, heap_retained(model, parameters));
   MemoryBreakdown server;
   server.add("its share of the parameters", share);
   server.add("optimizer state", share * setup.optimizer_state_factor);

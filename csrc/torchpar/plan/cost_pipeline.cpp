@@ -141,7 +141,7 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
                        host.stage_ring_bytes, static_cast<double>(spec.microbatches * largest_message)))),
                false);
     memory.add("backward's temporaries (beyond freed activations)", temporaries);
-    add_host_lines(memory, host, retained(model, whole));
+    add_host_lines(memory, host, heap_retained(model, whole));
     if (memory.total() > prediction.memory.total()) prediction.memory = std::move(memory);
     const int64_t averaged = replicas > 1 ? 2 * (replicas - 1) * parameters / replicas : 0;
     prediction.bytes_per_step = std::max(prediction.bytes_per_step, sent + averaged);

@@ -134,7 +134,7 @@ Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& idle
     memory.add("wrapping the model built whole (beyond training's peak)",
                parameters + shard + largest_layer - static_cast<double>(memory.tensor_bytes()));
   }
-  add_host_lines(memory, network.host_memory, retained(model, parameters));
+  add_host_lines(memory, network.host_memory, heap_retained(model, parameters));
   settle_memory(prediction);
   // A ring reduce-scatter and all-gather (DDP's all-reduce); stage 3 gathers twice.
   prediction.bytes_per_step =

@@ -73,7 +73,7 @@ Prediction predict_tensor_parallel(const ModelProfile& model, const NetworkProfi
   memory.add("optimizer state", parameters * setup.optimizer_state_factor);
   memory.add("activations", static_cast<double>(all_activation_bytes(model, samples)));
   memory.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
-  add_host_lines(memory, network.host_memory, retained(model, parameters));
+  add_host_lines(memory, network.host_memory, heap_retained(model, parameters));
   settle_memory(prediction);
   prediction.bytes_per_step =
       static_cast<int64_t>(moved + (replicas > 1 ? 2.0 * (replicas - 1) / replicas * parameters : 0.0));

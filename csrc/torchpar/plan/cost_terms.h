@@ -162,15 +162,13 @@ inline double largest(const std::vector<double>& values) {
   return values.empty() ? 0.0 : *std::max_element(values.begin(), values.end());
 }
 
-// What glibc keeps of the blocks a rank re-makes each step, `remade_bytes` of gradients: at least one such block's
-// worth (zero_grad frees them, forward's allocations take their place, backward makes them anew higher up the heap:
-// measured, DDP of a 24 MiB embedding 27 MiB above its tensors, of a 7 MiB MLP 6 MiB), or the model's own share
-// where its training in one process measured more (activations re-made as well: a 0.5 MiB conv net kept 6 MiB).
-inline double retained(const ModelProfile& model, double remade_bytes) {
+// What the heap keeps beyond a rank's tensors, which re-makes `remade_bytes` of the model's gradients each step:
+// the share of what the model's training in one process kept (ModelProfile::heap_retention_bytes). Tensor blocks
+// of 128 KiB and more come from torchpar's block cache, whose pages follow the tensors' peak (common/
+// cpu_block_cache.h); what remains is the heap's small blocks and the pages the cache rounds up to.
+inline double heap_retained(const ModelProfile& model, double remade_bytes) {
   const auto whole = static_cast<double>(model.parameter_bytes());
-  const double share = whole > 0 ? static_cast<double>(model.heap_retention_bytes) * std::min(1.0, remade_bytes / whole)
-                                 : 0.0;
-  return std::max(remade_bytes, share);
+  return whole > 0 ? static_cast<double>(model.heap_retention_bytes) * std::min(1.0, remade_bytes / whole) : 0.0;
 }
 
 // What layers [begin, end)'s backward temporaries add at `samples` above the activations, which the memory line

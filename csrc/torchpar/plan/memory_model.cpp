@@ -60,7 +60,7 @@ int64_t shm_segment_pages(int64_t chunk_bytes, int ranks, double largest_op_byte
 }
 
 void add_host_lines(MemoryBreakdown& memory, const HostMemory& host, double retained_bytes) {
-  if (host.keeps_freed_memory) memory.add("freed blocks glibc keeps", retained_bytes, false);
+  if (host.keeps_freed_memory) memory.add("heap's small blocks (measured)", retained_bytes, false);
   memory.add("process overhead (measured)", static_cast<double>(host.process_overhead_bytes), false);
 }
 

@@ -36,8 +36,10 @@ struct HostMemory {
   int64_t process_overhead_bytes = 0;
   int64_t stage_ring_bytes = 0;  // each pipeline ring's capacity (0: no rings between stage ranks)
   int64_t shm_chunk_bytes = 0;   // the same-host shm group's slot, where the collectives go through one (0: none)
-  // glibc serves blocks under 32 MiB from its heap and keeps them once freed (torchpar.keep_freed_memory, as the
-  // planner and the code it recommends run): blocks re-made each step are then kept beside the live ones.
+  // torchpar's CPU allocator keeps tensor blocks of 128 KiB and more once freed (keep_freed_memory, as the planner
+  // and the code it recommends run; common/cpu_block_cache.h): their pages follow the tensors' peak, and only the
+  // heap's small blocks add what the model's training in one process measured. Without it glibc's heap keeps
+  // what it will, growing step after step (not predicted).
   bool keeps_freed_memory = false;
 };
 
@@ -50,8 +52,8 @@ int64_t ring_pages(int64_t capacity, double in_flight_bytes);
 // rotate over comm/shm/layout.h's buffer sets.
 int64_t shm_segment_pages(int64_t chunk_bytes, int ranks, double largest_op_bytes);
 
-// The lines every strategy's rank adds to its resident set: what glibc keeps of the freed blocks it re-makes
-// each step (`retained_bytes`, cost_model.cpp's estimate) and the process's overhead.
+// The lines every strategy's rank adds to its resident set: what the heap keeps beyond the tensors under
+// keep_freed_memory (`retained_bytes`, cost_terms.h's heap_retained) and the process's overhead.
 void add_host_lines(MemoryBreakdown& memory, const HostMemory& host, double retained_bytes);
 
 } // namespace torchpar::plan

@@ -2,11 +2,12 @@
 
 #include <torchpar/plan/profile.h>
 
+#include <torchpar/common/cpu_allocations.h>
+
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include <cstdlib>
 
 namespace torchpar::plan {
 namespace {
@@ -68,7 +69,7 @@ PlannedOnRanks plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group
   const auto passes = measure_model_pass(factories, sample, group);
   auto network = measure_network(group);
   // As the process was launched: glibc keeps freed blocks only where the launch fixed its thresholds.
-  network.host_memory.keeps_freed_memory = std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr;
+  network.host_memory.keeps_freed_memory = keeping_freed_memory();
   PlannedOnRanks planned;
   at::Tensor chosen = encode(nullptr, factories.size());
   std::string reasons;

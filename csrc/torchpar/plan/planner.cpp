@@ -324,9 +324,8 @@ std::string render_table(const Plan& plan) {
   return out.str();
 }
 
-// The planner measures with freed memory kept (python/torchpar/allocator.py); so should the training it predicts.
-constexpr const char* kKeepFreedMemoryCpp =
-    "// launched with MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=268435456, as the planner measured\n";
+// The planner measures with freed memory kept (common/cpu_allocations.h); so should the training it predicts.
+constexpr const char* kKeepFreedMemoryCpp = "torchpar::keep_freed_memory();  // as the planner measured\n";
 constexpr const char* kKeepFreedMemoryPython = "torchpar.keep_freed_memory()  # as the planner measured\n";
 
 std::string cpp_code(const Configuration& c, bool sparse_tables) {

@@ -53,7 +53,7 @@ def profile(model: Model, batch: int, repeats: int = 5):
     """Each layer's forward, backward (input and weight parts), parameter, activation and output bytes at
     `batch` samples (and its backward's temporaries, where CPU allocations are counted), the first layer's
     embedding tables (which a parameter server can hold as sparse rows), the Linear layers a tensor group can
-    split, and the optimizer's time per parameter byte: (ModelProfile, ms per byte). glibc's retention in the
+    split, and the optimizer's time per parameter byte: (ModelProfile, ms per byte). The heap's retention in the
     model's training is :func:`measure_heap_retention`'s, set apart (the planner's probes profile too)."""
     factories, inputs = _engine_model(model, batch)
     model_profile, optimizer_ms_per_byte = _engine.profile_layers(factories, inputs, repeats,
@@ -73,10 +73,10 @@ _RETENTION_STEPS = 20
 
 
 def measure_heap_retention(model: Model, batch: int) -> int:
-    """What glibc keeps resident beyond the tensors' peak while this process trains the whole model on `batch`
-    samples for 20 steps (its optimizer; the gradients freed by zero_grad and re-made by the next backward, where
-    forward's allocations took their place): the second of two runs, the first paying what a process sets up
-    once. 0 where CPU allocations are not counted (torchpar.allocator) or /proc does not tell."""
+    """What the heap keeps resident beyond the tensors' peak while this process trains the whole model on `batch`
+    samples for 20 steps (its optimizer): under torchpar.keep_freed_memory its small blocks and the pages the block
+    cache rounds up to. The second of two runs, the first paying what a process sets up once. 0 where CPU
+    allocations are not counted (torchpar.allocator) or /proc does not tell."""
     from torch import nn
 
     from torchpar import allocator

@@ -30,7 +30,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from torchpar.allocator import count_cpu_allocations, keep_freed_memory
+from torchpar.allocator import keep_freed_memory
 from torchpar.plan.calibration import calibration_fields, configuration_fields, configuration_from_fields, network_fields
 from torchpar.plan.calibration import describe as describe_calibration
 from torchpar.plan.host_overhead import measure_host_overheads, measure_process_overhead
@@ -166,8 +166,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     # Profile, passes and verified steps all without faulting freed memory back in, which a fresh process does
     # and a longer-lived one may not: otherwise a step's time depends on what the process allocated before.
-    keeps_freed_memory = keep_freed_memory() or "MALLOC_MMAP_THRESHOLD_" in os.environ
-    count_cpu_allocations()  # the allocator's view of each verified configuration's peak, beside the resident set
+    keep_freed_memory()  # also counts: the allocator's view of each verified configuration's peak
+
     control = dist.new_group(backend="gloo")
     group = dist.new_group(backend=args.backend) if args.backend != "gloo" else dist.group.WORLD
     model = planner.load_model(args.model)
@@ -181,7 +181,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     dist.barrier(group=control)
     passes = planner.measure_model_pass(model, per_rank, control)
     network = planner.measure_network(group)
-    network.host_memory.keeps_freed_memory = keeps_freed_memory
+    network.host_memory.keeps_freed_memory = True
     network.host_memory.process_overhead_bytes = measure_process_overhead(network, control, args.backend)
     # The default calibration, with the engines' host times measured on these ranks: what this plan predicts
     # with unless earlier --verify runs taught one, and where this run's --verify fit starts.
@@ -226,7 +226,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         if args.explain_memory and result.ranked:
             print(f"memory per rank of {result.ranked[0].configuration.describe()} (its fullest rank; measured: the "
                   f"model's training in one process kept {model_profile.heap_retention_bytes / 2**20:.1f} MiB of "
-                  f"freed blocks, a rank's overhead {network.host_memory.process_overhead_bytes / 2**20:.1f} MiB):\n"
+                  f"the heap's small blocks, a rank's overhead {network.host_memory.process_overhead_bytes / 2**20:.1f} MiB):\n"
                   + result.ranked[0].memory.render(), flush=True)
         if result.ranked:
             print("recommended, C++:\n" + result.recommended_cpp + "\nrecommended, Python:\n" +

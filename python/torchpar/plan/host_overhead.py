@@ -110,7 +110,7 @@ def _fitted(model: Model, fields: dict, batch: int, network, calibration, knob: 
 
 def measure_process_overhead(network, control, backend: str) -> int:
     """(Every rank.) How much a rank's resident set grows beyond its tensors' peak and the pages the memory model
-    knows of (memory_model.h: the shm segment, glibc's retention) — its threads' stacks and arenas, the groups'
+    knows of (memory_model.h: the shm segment, the heap's retention) — its threads' stacks and arenas, the groups'
     buffers — in DDP of two Linear(256, 256) at 16 samples a rank: its second run (the first pays what a process
     sets up once, which --verify leaves out too). 0 where the allocator's count is off or /proc does not tell."""
     from torchpar import allocator

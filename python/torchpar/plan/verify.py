@@ -60,8 +60,10 @@ def resident_kib(field: str) -> Optional[int]:
 
 
 def start_memory_watch() -> Optional[int]:
-    """Hands freed heap memory back to the system, resets the resident set's high-water mark and returns the
-    resident set now (KiB), or None where Linux's /proc does not tell."""
+    """Hands freed memory back to the system (the heap's and the block cache's, torchpar.allocator), resets the
+    resident set's high-water mark and returns the resident set now (KiB), or None where Linux's /proc does not
+    tell."""
+    allocator.release_freed_memory()
     libc_name = ctypes.util.find_library("c")
     if libc_name:
         try:

@@ -1,0 +1,127 @@
+#include <torchpar/common/cpu_block_cache.h>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace torchpar {
+namespace {
+
+size_t page_size() {
+  static const auto bytes = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return bytes;
+}
+
+size_t whole_pages(size_t bytes) {
+  const size_t page = page_size();
+  return (bytes + page - 1) / page * page;
+}
+
+char* map(size_t bytes) {
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return data == MAP_FAILED ? nullptr : static_cast<char*>(data);
+}
+
+} // namespace
+
+CpuBlockCache::CpuBlockCache(size_t smallest_block, size_t most_kept_free)
+    : smallest_block_(smallest_block), most_kept_free_(most_kept_free) {}
+
+void* CpuBlockCache::take(size_t bytes) {
+  const size_t wanted = whole_pages(bytes);
+  if (void* data = take_free(wanted)) return data;
+  void* data = map_moving_free(wanted);
+  if (data == nullptr && !free_blocks_.empty()) {
+    release_free_blocks();
+    data = map_moving_free(wanted);
+  }
+  return data;
+}
+
+void* CpuBlockCache::take_free(size_t bytes) {
+  const auto fit = free_by_size_.lower_bound(bytes);
+  if (fit == free_by_size_.end()) return nullptr;
+  const auto block = remove_free(fit->second);
+  // A remainder too small to serve a block of its own stays with the block.
+  size_t taken = block.bytes;
+  if (block.bytes - bytes >= smallest_block_) {
+    add_free(block.data + bytes, block.bytes - bytes);
+    taken = bytes;
+  }
+  in_use_.emplace(block.data, taken);
+  return block.data;
+}
+
+void* CpuBlockCache::map_moving_free(size_t bytes) {
+  char* data = map(bytes);
+  if (data == nullptr) return nullptr;
+  reserved_ += static_cast<int64_t>(bytes);
+  // The largest free blocks first: the fewest moves. Each move replaces fresh (untouched) pages of the mapping by
+  // pages already resident, and unmaps them where they were.
+  size_t filled = 0;
+  while (filled < bytes && !free_by_size_.empty()) {
+    const auto largest = remove_free(std::prev(free_by_size_.end())->second);
+    const size_t moved = std::min(largest.bytes, bytes - filled);
+    if (mremap(largest.data, moved, moved, MREMAP_MAYMOVE | MREMAP_FIXED, data + filled) == MAP_FAILED) {
+      add_free(largest.data, largest.bytes);
+      break;
+    }
+    reserved_ -= static_cast<int64_t>(moved);
+    if (moved < largest.bytes) add_free(largest.data + moved, largest.bytes - moved);
+    filled += moved;
+  }
+  in_use_.emplace(data, bytes);
+  return data;
+}
+
+bool CpuBlockCache::give_back(void* data) {
+  const auto found = in_use_.find(data);
+  if (found == in_use_.end()) return false;
+  const size_t bytes = found->second;
+  in_use_.erase(found);
+  add_free(static_cast<char*>(data), bytes);
+  trim();
+  return true;
+}
+
+void CpuBlockCache::release_free_blocks() {
+  const size_t limit = most_kept_free_;
+  keep_at_most(0);
+  most_kept_free_ = limit;
+}
+
+void CpuBlockCache::keep_at_most(size_t most_kept_free) {
+  most_kept_free_ = most_kept_free;
+  trim();
+}
+
+void CpuBlockCache::add_free(char* data, size_t bytes) {
+  free_blocks_.push_back({data, bytes});
+  free_by_size_.emplace(bytes, std::prev(free_blocks_.end()));
+  free_ += static_cast<int64_t>(bytes);
+}
+
+CpuBlockCache::FreeBlock CpuBlockCache::remove_free(FreeList::iterator block) {
+  auto [first, last] = free_by_size_.equal_range(block->bytes);
+  for (auto entry = first; entry != last; ++entry) {
+    if (entry->second == block) {
+      free_by_size_.erase(entry);
+      break;
+    }
+  }
+  const FreeBlock removed = *block;
+  free_blocks_.erase(block);
+  free_ -= static_cast<int64_t>(removed.bytes);
+  return removed;
+}
+
+void CpuBlockCache::trim() {
+  while (free_ > static_cast<int64_t>(most_kept_free_)) {
+    const auto block = remove_free(free_blocks_.begin());
+    munmap(block.data, block.bytes);
+    reserved_ -= static_cast<int64_t>(block.bytes);
+  }
+}
+
+} // namespace torchpar
