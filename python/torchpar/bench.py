@@ -1,6 +1,7 @@
 """python -m torchpar.bench: every benchmark, each with its anchor in the same run, into one report.
 
-    python -m torchpar.bench [collectives ddp sharded pipeline ps tp plan | all] [--quick] [--out benchmarks/results]
+    python -m torchpar.bench [collectives ddp sharded pipeline ps tp allocator plan | all] [--quick]
+                              [--out benchmarks/results]
 
 Runs the scripts under benchmarks/ (each stays runnable on its own; `plan` runs ``python -m torchpar.plan`` with
 --verify on the deep MLP) one after the other, then writes <out>/report.md and report.html: the machine (CPU,
@@ -42,7 +43,7 @@ def commands(name: str, quick: bool, out: pathlib.Path) -> list[str]:
         return [sys.executable, "-m", "torchpar.plan", "--model", "torchpar.plan.examples:deep_mlp",
                 "--batch", "64", "--world", "2", "--verify", "2", "--verify-each-strategy", "--out", str(out / "plan")]
     file = {"ddp": "ddp.py", "sharded": "sharded.py", "pipeline": "pipeline.py", "ps": "ps.py",
-            "tp": "tensor_parallel.py"}[name]
+            "tp": "tensor_parallel.py", "allocator": "allocator.py"}[name]
     extra = {"ddp": ["--worlds", "2"], "sharded": ["--worlds", "2"], "pipeline": ["--worlds", "2"]}.get(name, []) \
         if quick else []
     return script(file) + extra + (["--quick"] if quick else [])
@@ -55,6 +56,7 @@ SECTIONS = {
     "pipeline": ("Pipeline: torchpar vs torch.distributed.pipelining", ["pipeline.png"]),
     "ps": ("Parameter server: torchpar vs the torch.distributed.rpc pattern", ["ps.png"]),
     "tp": ("Tensor parallelism: torchpar vs torch.distributed.tensor.parallel", ["tensor_parallel.png"]),
+    "allocator": ("CPU memory between steps: torchpar's block cache vs glibc", ["allocator.png"]),
     "plan": ("Planner: predicted vs measured", ["plan/plan.png"]),
 }
 

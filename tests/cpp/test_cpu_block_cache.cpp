@@ -44,6 +44,18 @@ TEST_CASE("block cache: a freed block serves the next of its size, a larger one 
   CHECK_FALSE(cache.give_back(&outside));  // not the cache's: left alone
   CHECK(cache.give_back(one));
   CHECK(cache.give_back(rest));
+  // Both pieces free: whole again, for a 4 MiB request, as it was.
+  CHECK(cache.free_bytes() == static_cast<int64_t>(4 * MiB));
+  CHECK(cache.take(4 * MiB) == four);
+  CHECK(cache.reserved_bytes() == static_cast<int64_t>(4 * MiB));
+  // Blocks of different mappings never join, even where the kernel put them side by side.
+  auto* other = static_cast<char*>(cache.take(4 * MiB));
+  REQUIRE(cache.give_back(four));
+  REQUIRE(cache.give_back(other));
+  auto* both = static_cast<char*>(cache.take(8 * MiB));  // their pages moved under one new mapping
+  CHECK(both != four);
+  CHECK(cache.reserved_bytes() == static_cast<int64_t>(8 * MiB));
+  REQUIRE(cache.give_back(both));
 }
 
 TEST_CASE("block cache: a block no free one holds takes their pages, moved, not faulted in again",

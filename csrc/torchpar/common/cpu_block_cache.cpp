@@ -42,14 +42,13 @@ void* CpuBlockCache::take(size_t bytes) {
 void* CpuBlockCache::take_free(size_t bytes) {
   const auto fit = free_by_size_.lower_bound(bytes);
   if (fit == free_by_size_.end()) return nullptr;
-  const auto block = remove_free(fit->second);
+  auto block = remove_free(fit->second);
   // A remainder too small to serve a block of its own stays with the block.
-  size_t taken = block.bytes;
   if (block.bytes - bytes >= smallest_block_) {
-    add_free(block.data + bytes, block.bytes - bytes);
-    taken = bytes;
+    add_free({block.data + bytes, block.bytes - bytes, block.segment});
+    block.bytes = bytes;
   }
-  in_use_.emplace(block.data, taken);
+  in_use_.emplace(block.data, block);
   return block.data;
 }
 
@@ -63,24 +62,25 @@ void* CpuBlockCache::map_moving_free(size_t bytes) {
   while (filled < bytes && !free_by_size_.empty()) {
     const auto largest = remove_free(std::prev(free_by_size_.end())->second);
     const size_t moved = std::min(largest.bytes, bytes - filled);
+    // It fails where the pages span two of the kernel's areas (a block joined from moved pieces): then they stay.
     if (mremap(largest.data, moved, moved, MREMAP_MAYMOVE | MREMAP_FIXED, data + filled) == MAP_FAILED) {
-      add_free(largest.data, largest.bytes);
+      add_free(largest);
       break;
     }
     reserved_ -= static_cast<int64_t>(moved);
-    if (moved < largest.bytes) add_free(largest.data + moved, largest.bytes - moved);
+    if (moved < largest.bytes) add_free({largest.data + moved, largest.bytes - moved, largest.segment});
     filled += moved;
   }
-  in_use_.emplace(data, bytes);
+  in_use_.emplace(data, Block{data, bytes, ++segments_});
   return data;
 }
 
 bool CpuBlockCache::give_back(void* data) {
   const auto found = in_use_.find(data);
   if (found == in_use_.end()) return false;
-  const size_t bytes = found->second;
+  const Block block = found->second;
   in_use_.erase(found);
-  add_free(static_cast<char*>(data), bytes);
+  add_free(block);
   trim();
   return true;
 }
@@ -96,13 +96,27 @@ void CpuBlockCache::keep_at_most(size_t most_kept_free) {
   trim();
 }
 
-void CpuBlockCache::add_free(char* data, size_t bytes) {
-  free_blocks_.push_back({data, bytes});
-  free_by_size_.emplace(bytes, std::prev(free_blocks_.end()));
-  free_ += static_cast<int64_t>(bytes);
+void CpuBlockCache::add_free(Block block) {
+  const auto after = free_by_address_.find(block.data + block.bytes);
+  if (after != free_by_address_.end() && after->second->segment == block.segment) {
+    block.bytes += remove_free(after->second).bytes;
+  }
+  const auto next = free_by_address_.lower_bound(block.data);
+  if (next != free_by_address_.begin()) {
+    const auto before = std::prev(next)->second;
+    if (before->segment == block.segment && before->data + before->bytes == block.data) {
+      const auto joined = remove_free(before);
+      block = {joined.data, joined.bytes + block.bytes, block.segment};
+    }
+  }
+  free_blocks_.push_back(block);
+  const auto entry = std::prev(free_blocks_.end());
+  free_by_size_.emplace(block.bytes, entry);
+  free_by_address_.emplace(block.data, entry);
+  free_ += static_cast<int64_t>(block.bytes);
 }
 
-CpuBlockCache::FreeBlock CpuBlockCache::remove_free(FreeList::iterator block) {
+CpuBlockCache::Block CpuBlockCache::remove_free(FreeList::iterator block) {
   auto [first, last] = free_by_size_.equal_range(block->bytes);
   for (auto entry = first; entry != last; ++entry) {
     if (entry->second == block) {
@@ -110,7 +124,8 @@ CpuBlockCache::FreeBlock CpuBlockCache::remove_free(FreeList::iterator block) {
       break;
     }
   }
-  const FreeBlock removed = *block;
+  free_by_address_.erase(block->data);
+  const Block removed = *block;
   free_blocks_.erase(block);
   free_ -= static_cast<int64_t>(removed.bytes);
   return removed;
