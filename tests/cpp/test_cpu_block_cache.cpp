@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include <torchpar/common/cpu_allocations.h>
@@ -23,8 +24,9 @@ long minor_faults() {
 
 TEST_CASE("block cache: a freed block serves the next of its size, a larger one is split, nothing is mapped anew",
           "[common][block_cache]") {
-  torchpar::CpuBlockCache cache(128 << 10, 256 * MiB);
+  torchpar::CpuBlockCache cache(128 << 10, SIZE_MAX, 256 * MiB);
   CHECK_FALSE(cache.serves(64 << 10));
+  CHECK_FALSE(torchpar::CpuBlockCache(128 << 10, MiB, MiB).serves(MiB));  // the next pool's
   auto* four = static_cast<char*>(cache.take(4 * MiB - 100));
   REQUIRE(four != nullptr);
   CHECK(reinterpret_cast<uintptr_t>(four) % static_cast<uintptr_t>(sysconf(_SC_PAGESIZE)) == 0);
@@ -60,7 +62,7 @@ TEST_CASE("block cache: a freed block serves the next of its size, a larger one 
 
 TEST_CASE("block cache: a block no free one holds takes their pages, moved, not faulted in again",
           "[common][block_cache]") {
-  torchpar::CpuBlockCache cache(128 << 10, 256 * MiB);
+  torchpar::CpuBlockCache cache(128 << 10, SIZE_MAX, 256 * MiB);
   auto* first = static_cast<char*>(cache.take(2 * MiB));
   auto* second = static_cast<char*>(cache.take(2 * MiB));
   std::memset(first, 1, 2 * MiB);
@@ -83,7 +85,7 @@ TEST_CASE("block cache: a block no free one holds takes their pages, moved, not 
 
 TEST_CASE("block cache: free blocks beyond the limit, least recently freed first, go back to the system",
           "[common][block_cache]") {
-  torchpar::CpuBlockCache cache(128 << 10, 3 * MiB);
+  torchpar::CpuBlockCache cache(128 << 10, SIZE_MAX, 3 * MiB);
   auto* older = cache.take(2 * MiB);
   auto* newer = cache.take(2 * MiB);
   REQUIRE(cache.give_back(older));

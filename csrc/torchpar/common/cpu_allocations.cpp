@@ -7,7 +7,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -17,7 +19,11 @@ namespace {
 
 // Keeps LibTorch's own allocator underneath (its alignment, its memory-profiler reports) and the DataPtr's context
 // equal to its data, as the default allocator's, so raw_allocate/raw_deallocate keep working; the size of each
-// live allocation is kept by address for its release. Large blocks come from the block cache once there is one.
+// live allocation is kept by address for its release. Large blocks come from the block caches once there are some:
+// one for blocks under kLargeBlock (activations, biases' gradients) and one for the rest, as the CUDA caching
+// allocator keeps a small and a large pool — a small block that lives long (an activation kept for backward) would
+// otherwise split a large free block that the next large request then needs whole, and pages would be moved every
+// step.
 class CountingCpuAllocator final : public c10::Allocator {
  public:
   explicit CountingCpuAllocator(c10::Allocator* underlying) : underlying_(underlying) {}
@@ -26,10 +32,10 @@ class CountingCpuAllocator final : public c10::Allocator {
     void* data = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (cache_ && cache_->serves(bytes)) {
-        data = cache_->take(bytes);
+      if (auto* cache = cache_for(bytes)) {
+        data = cache->take(bytes);
         TORCH_CHECK(data != nullptr, "torchpar's CPU allocator: the system maps no more memory for a block of ",
-                    bytes, " bytes (", cache_->reserved_bytes(), " bytes mapped for tensors, all in use)");
+                    bytes, " bytes (", counts_.reserved, " bytes mapped for tensors, all in use)");
         record(data, bytes);
       }
     }
@@ -51,22 +57,25 @@ class CountingCpuAllocator final : public c10::Allocator {
 
   void keep_freed_blocks(size_t most_kept_free) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (cache_) {
-      cache_->keep_at_most(most_kept_free);
+    if (caches_[0]) {
+      for (auto& cache : caches_) cache->keep_at_most(most_kept_free);
     } else {
-      cache_ = std::make_unique<CpuBlockCache>(kSmallestKeptBlock, most_kept_free);
+      caches_[0] = std::make_unique<CpuBlockCache>(kSmallestKeptBlock, kLargeBlock, most_kept_free);
+      caches_[1] = std::make_unique<CpuBlockCache>(kLargeBlock, std::numeric_limits<size_t>::max(), most_kept_free);
     }
     note_reserved();
   }
 
   bool keeps_freed_blocks() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return cache_ != nullptr;
+    return caches_[0] != nullptr;
   }
 
   void release_free_blocks() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (cache_) cache_->release_free_blocks();
+    for (auto& cache : caches_) {
+      if (cache) cache->release_free_blocks();
+    }
     note_reserved();
   }
 
@@ -85,6 +94,20 @@ class CountingCpuAllocator final : public c10::Allocator {
   static void release(void* data);
 
   // Under mutex_.
+  CpuBlockCache* cache_for(size_t bytes) {
+    for (auto& cache : caches_) {
+      if (cache && cache->serves(bytes)) return cache.get();
+    }
+    return nullptr;
+  }
+
+  bool give_back_to_cache(void* data) {
+    for (auto& cache : caches_) {
+      if (cache && cache->give_back(data)) return true;
+    }
+    return false;
+  }
+
   void record(void* data, size_t bytes) {
     sizes_[data] = bytes;
     counts_.current += static_cast<int64_t>(bytes);
@@ -93,14 +116,15 @@ class CountingCpuAllocator final : public c10::Allocator {
   }
 
   void note_reserved() {
-    counts_.reserved = cache_ ? cache_->reserved_bytes() : 0;
+    counts_.reserved = 0;
+    for (auto& cache : caches_) counts_.reserved += cache ? cache->reserved_bytes() : 0;
     counts_.peak_reserved = std::max(counts_.peak_reserved, counts_.reserved);
   }
 
   c10::Allocator* underlying_;
   std::mutex mutex_;
   std::unordered_map<void*, size_t> sizes_;
-  std::unique_ptr<CpuBlockCache> cache_;
+  std::array<std::unique_ptr<CpuBlockCache>, 2> caches_;  // blocks under kLargeBlock, and the rest
   CpuAllocations counts_;
 };
 
@@ -118,7 +142,7 @@ void CountingCpuAllocator::release(void* data) {
       counter->counts_.current -= static_cast<int64_t>(found->second);
       counter->sizes_.erase(found);
     }
-    if (counter->cache_ && counter->cache_->give_back(data)) {
+    if (counter->give_back_to_cache(data)) {
       counter->note_reserved();
       return;
     }

@@ -25,8 +25,8 @@ char* map(size_t bytes) {
 
 } // namespace
 
-CpuBlockCache::CpuBlockCache(size_t smallest_block, size_t most_kept_free)
-    : smallest_block_(smallest_block), most_kept_free_(most_kept_free) {}
+CpuBlockCache::CpuBlockCache(size_t smallest_block, size_t largest_block, size_t most_kept_free)
+    : smallest_block_(smallest_block), largest_block_(largest_block), most_kept_free_(most_kept_free) {}
 
 void* CpuBlockCache::take(size_t bytes) {
   const size_t wanted = whole_pages(bytes);

@@ -6,7 +6,7 @@
 // peak after 400 steps, still growing).
 //
 // Here a request takes the smallest free block that holds it (split when much larger; the pieces join again once
-// both are free, so a large block split for small ones is whole again for the next large one); where none does,
+// both are free, so a large block split for smaller ones is whole again for the next large one); where none does,
 // free blocks' pages are moved under a fresh mapping (mremap: page tables move, nothing is copied or faulted) and
 // only what they lack is new. So the pages mapped follow the tensors' own peak, not the sizes' history, and a step
 // faults nothing in once the first steps mapped its peak. The CUDA caching allocator's idea, with the kernel's
@@ -22,13 +22,13 @@ namespace torchpar {
 
 class CpuBlockCache {
  public:
-  // Blocks of at least `smallest_block` bytes are served here; once more than `most_kept_free` bytes of blocks
-  // are free, the least recently freed go back to the system.
-  CpuBlockCache(size_t smallest_block, size_t most_kept_free);
+  // Blocks of `smallest_block` bytes up to (not including) `largest_block` are served here; once more than
+  // `most_kept_free` bytes of blocks are free, the least recently freed go back to the system.
+  CpuBlockCache(size_t smallest_block, size_t largest_block, size_t most_kept_free);
   CpuBlockCache(const CpuBlockCache&) = delete;
   CpuBlockCache& operator=(const CpuBlockCache&) = delete;
 
-  bool serves(size_t bytes) const { return bytes >= smallest_block_; }
+  bool serves(size_t bytes) const { return bytes >= smallest_block_ && bytes < largest_block_; }
   // A page-aligned block of at least `bytes`, or nullptr where the system maps no more even after every free
   // block went back.
   void* take(size_t bytes);
@@ -59,6 +59,7 @@ class CpuBlockCache {
   void trim();  // the least recently freed blocks unmapped until at most most_kept_free_ bytes are free
 
   size_t smallest_block_;
+  size_t largest_block_;
   size_t most_kept_free_;
   FreeList free_blocks_;
   std::multimap<size_t, FreeList::iterator> free_by_size_;
