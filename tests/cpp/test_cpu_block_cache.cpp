@@ -79,7 +79,8 @@ TEST_CASE("block cache: a block no free one holds takes their pages, moved, not 
   CHECK(large[4 * MiB] == 0);
   const long before = minor_faults();
   std::memset(large, 3, 4 * MiB);
-  CHECK(minor_faults() - before < 16);  // 1,024 pages: none faulted in
+  // 1,024 pages, none faulted in; under AddressSanitizer its shadow of them is (an eighth: 128 pages).
+  CHECK(minor_faults() - before < 256);
   REQUIRE(cache.give_back(large));
 }
 
