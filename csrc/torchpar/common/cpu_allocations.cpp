@@ -19,7 +19,7 @@ namespace {
 
 // Keeps LibTorch's own allocator underneath (its alignment, its memory-profiler reports) and the DataPtr's context
 // equal to its data, as the default allocator's, so raw_allocate/raw_deallocate keep working; the size of each
-// live allocation is kept by address for its release. Large blocks come from the block caches once there are some:
+// live allocation, and the cache it came from, is kept by address for its release. Large blocks come from the block caches once there are some:
 // one for blocks under kLargeBlock (activations, biases' gradients) and one for the rest, as the CUDA caching
 // allocator keeps a small and a large pool — a small block that lives long (an activation kept for backward) would
 // otherwise split a large free block that the next large request then needs whole, and pages would be moved every
@@ -36,14 +36,14 @@ class CountingCpuAllocator final : public c10::Allocator {
         data = cache->take(bytes);
         TORCH_CHECK(data != nullptr, "torchpar's CPU allocator: the system maps no more memory for a block of ",
                     bytes, " bytes (", counts_.reserved, " bytes mapped for tensors, all in use)");
-        record(data, bytes);
+        record(data, bytes, cache);
       }
     }
     if (data == nullptr) {
       data = underlying_->raw_allocate(bytes);
       if (data != nullptr) {
         std::lock_guard<std::mutex> lock(mutex_);
-        record(data, bytes);
+        record(data, bytes, nullptr);
       }
     }
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
@@ -101,15 +101,8 @@ class CountingCpuAllocator final : public c10::Allocator {
     return nullptr;
   }
 
-  bool give_back_to_cache(void* data) {
-    for (auto& cache : caches_) {
-      if (cache && cache->give_back(data)) return true;
-    }
-    return false;
-  }
-
-  void record(void* data, size_t bytes) {
-    sizes_[data] = bytes;
+  void record(void* data, size_t bytes, CpuBlockCache* cache) {
+    live_[data] = {bytes, cache};
     counts_.current += static_cast<int64_t>(bytes);
     counts_.peak = std::max(counts_.peak, counts_.current);
     note_reserved();
@@ -123,7 +116,11 @@ class CountingCpuAllocator final : public c10::Allocator {
 
   c10::Allocator* underlying_;
   std::mutex mutex_;
-  std::unordered_map<void*, size_t> sizes_;
+  struct Live {
+    size_t bytes;
+    CpuBlockCache* cache;  // the cache it came from; nullptr: LibTorch's allocator underneath
+  };
+  std::unordered_map<void*, Live> live_;
   std::array<std::unique_ptr<CpuBlockCache>, 2> caches_;  // blocks under kLargeBlock, and the rest
   CpuAllocations counts_;
 };
@@ -137,14 +134,16 @@ void CountingCpuAllocator::release(void* data) {
   auto* counter = installed.load(std::memory_order_acquire);
   {
     std::lock_guard<std::mutex> lock(counter->mutex_);
-    const auto found = counter->sizes_.find(data);
-    if (found != counter->sizes_.end()) {
-      counter->counts_.current -= static_cast<int64_t>(found->second);
-      counter->sizes_.erase(found);
-    }
-    if (counter->give_back_to_cache(data)) {
-      counter->note_reserved();
-      return;
+    const auto found = counter->live_.find(data);
+    if (found != counter->live_.end()) {
+      const Live live = found->second;
+      counter->counts_.current -= static_cast<int64_t>(live.bytes);
+      counter->live_.erase(found);
+      if (live.cache != nullptr) {
+        live.cache->give_back(data);
+        counter->note_reserved();
+        return;
+      }
     }
   }
   counter->underlying_->raw_deallocate(data);

@@ -81,19 +81,17 @@ bool CpuBlockCache::give_back(void* data) {
   const Block block = found->second;
   in_use_.erase(found);
   add_free(block);
-  trim();
+  trim_to(most_kept_free_);
   return true;
 }
 
 void CpuBlockCache::release_free_blocks() {
-  const size_t limit = most_kept_free_;
-  keep_at_most(0);
-  most_kept_free_ = limit;
+  trim_to(0);
 }
 
 void CpuBlockCache::keep_at_most(size_t most_kept_free) {
   most_kept_free_ = most_kept_free;
-  trim();
+  trim_to(most_kept_free_);
 }
 
 void CpuBlockCache::add_free(Block block) {
@@ -131,8 +129,8 @@ CpuBlockCache::Block CpuBlockCache::remove_free(FreeList::iterator block) {
   return removed;
 }
 
-void CpuBlockCache::trim() {
-  while (free_ > static_cast<int64_t>(most_kept_free_)) {
+void CpuBlockCache::trim_to(size_t most_free) {
+  while (free_ > static_cast<int64_t>(most_free)) {
     const auto block = remove_free(free_blocks_.begin());
     munmap(block.data, block.bytes);
     reserved_ -= static_cast<int64_t>(block.bytes);

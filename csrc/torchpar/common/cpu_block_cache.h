@@ -56,7 +56,7 @@ class CpuBlockCache {
   void* map_moving_free(size_t bytes);  // a fresh mapping, as much of it as free blocks cover moved from them
   void add_free(Block block);  // joined with free neighbours of its segment
   Block remove_free(FreeList::iterator block);
-  void trim();  // the least recently freed blocks unmapped until at most most_kept_free_ bytes are free
+  void trim_to(size_t most_free);  // the least recently freed blocks unmapped until at most most_free are free
 
   size_t smallest_block_;
   size_t largest_block_;
