@@ -18,7 +18,7 @@
 // program trains, measures the allocator's peak (the largest rank's) and the model state held after its last step
 // (parameters and their gradients, the shard and its gradient, Adam's state; a storage once), and prints them beside
 // the predictions in one line:
-//   train_sharded: 4 ranks, stage 3, peak allocated 39.8 MiB per rank (predicted 40.8, DDP's 103.1, cap 48.0),
+//   train_sharded: 4 ranks, stage 3, peak allocated 39.8 MiB per rank (predicted 40.2, DDP's 102.4, cap 48.0),
 //   model state 20.3 MiB (predicted 20.3), resident set +33.9 MiB (predicted 33.1), 6 epochs in 8.97 s,
 //   test accuracy 96.9%
 // The resident set is the rank's growth from just before wrapping (the libraries' pages aside) under

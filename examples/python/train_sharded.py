@@ -26,7 +26,7 @@ every rank exits with status 2 and the message on stderr; otherwise it trains, m
 largest rank's) and the model state it holds after its last step (a tensor shared counts once) and prints them next
 to the predictions, with one result line:
 
-    train_sharded: 4 ranks, stage 3, peak allocated 39.8 MiB per rank (predicted 40.8, DDP's 103.1, cap 48.0),
+    train_sharded: 4 ranks, stage 3, peak allocated 39.8 MiB per rank (predicted 40.2, DDP's 102.4, cap 48.0),
     model state 20.3 MiB (predicted 20.3), 6 epochs in 8.49 s, test accuracy 97.2%
 
 A smaller --bucket-cap-mb lowers stages 1-2's peak (fewer gradients in flat copies at once). Exit code: 0; 1 when

@@ -223,10 +223,27 @@ TEST_CASE("plan: a pipeline's step is the simulator's makespan of its stage cost
   CHECK(p.step_ms == Approx(6));
   CHECK(p.bubble_fraction == Approx(1.0 / 3));
   CHECK(p.compute_ms == Approx(4));
-  // Its layer's parameters, gradients and momentum; GPipe keeps both micro-batches' activations (2 x 400).
-  CHECK(p.memory_per_rank == 6 * kMiB + 800);
+  // Its layer's parameters, gradients and momentum, and the second micro-batch's gradients before they are added
+  // to the first's (2 MiB); GPipe keeps both micro-batches' activations (2 x 400); the first stage's backward holds
+  // the gradient the second sent back (200).
+  CHECK(p.memory_per_rank == 8 * kMiB + 800 + 200);
   // Sends: 2 micro-batches of the boundary's 200 bytes (400 at 8 samples).
   CHECK(p.bytes_per_step == 400);
+  // Zero-bubble schedules keep each layer's output gradient from a micro-batch's input gradients (I) to its
+  // weight gradients (W): one or two micro-batches' 200 bytes here, none under GPipe.
+  const auto line_bytes = [](const plan::Prediction& prediction, const std::string& what) {
+    int64_t bytes = -1;
+    for (const auto& line : prediction.memory.lines) {
+      if (line.what == what) bytes = line.bytes;
+    }
+    return bytes;
+  };
+  const std::string kept_for_w = "output gradients kept for the weight gradients (W)";
+  CHECK(line_bytes(p, kept_for_w) == -1);
+  pipe.schedule = torchpar::pipeline::ScheduleKind::ZeroBubbleH1;
+  const auto zero_bubble = plan::predict(equal_layers(2, 2 * kMiB), network(0, 0), batch_of(8), pipe);
+  CHECK((line_bytes(zero_bubble, kept_for_w) == 200 || line_bytes(zero_bubble, kept_for_w) == 400));
+  pipe.schedule = torchpar::pipeline::ScheduleKind::GPipe;
 
   // Transfers of 1 ms, activations forward and gradients back: one more ms each way on the critical path.
   auto slow = plan::predict(equal_layers(2, 2 * kMiB), network(1, 0), batch_of(8), pipe);
@@ -251,9 +268,9 @@ TEST_CASE("plan: a parameter server's step is the slower of a worker and a serve
   // workers: 2 x (0.1 + 8) = 16.2 ms: the bottleneck.
   const auto p = plan::predict(equal_layers(2, 2 * kMiB), network(0.1, 1), batch_of(8), ps);
   CHECK(p.step_ms == Approx(16.2));
-  // A worker: parameters, gradients, pulled values and replies (16 MiB) and its activations; the server:
-  // its 4 MiB share, momentum, both workers' pushes and their round copies, the mean: 7 x 4 MiB.
-  CHECK(p.memory_per_rank == 28 * kMiB);
+  // A worker: parameters, gradients and the values first pulled (12 MiB) and its activations; the server
+  // (BSP): its 4 MiB share, momentum, and each worker's push twice until the round is applied: 6 x 4 MiB.
+  CHECK(p.memory_per_rank == 24 * kMiB);
   CHECK(p.bytes_per_step == 16 * kMiB);        // the server: both workers' pushes and pulls
 
   // Copies of 0.25 ms/MiB and an optimizer of 0.5 ms/MiB. A worker's round trip: push and pull (8.2 ms),
@@ -269,11 +286,13 @@ TEST_CASE("plan: a parameter server's step is the slower of a worker and a serve
   // (0.1 + 1/64 ms) with a copy in and out (2 x 1 ms): 2.1156 ms a transfer instead of 4.1. A worker's
   // round trip: 2 x 2.1156 + 2 + 2 + 1 = 9.23 ms, its step 13.23 (now the bottleneck); the server:
   // 2 x (2 x 2.1156 + 1) + 2 = 12.46 ms. Both ends map the pages of both rings of each channel that the
-  // 4 MiB payloads reach: the server 2 x 8 MiB more, the worker 8.
+  // 4 MiB payloads reach: the server 2 x 8 MiB more, the worker 8. (The server's values are then pages its
+  // workers map too, not a tensor: the same bytes of its resident set.)
   net.ps_ring_bytes = 64 * kMiB;
   const auto one_host = plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps);
   CHECK(one_host.step_ms == Approx(13.23125));
-  CHECK(one_host.memory_per_rank == (28 + 2 * 8) * kMiB);
+  CHECK(one_host.memory_per_rank == (24 + 2 * 8) * kMiB);
+  CHECK(one_host.tensor_memory_per_rank == 20 * kMiB);
   net.ps_ring_bytes = 2 * kMiB;  // payloads larger than the ring go through Gloo
   CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps).step_ms == Approx(20.2));
 
@@ -305,6 +324,13 @@ TEST_CASE("plan: compute and communication slow with the ranks computing at once
   plan::Calibration loaded;
   loaded.communication_scale = 2.0;  // all-reduces of 5 ms: 2-7 and 7-12
   CHECK(plan::predict(model, network(0.5, 1), batch_of(8), ddp, loaded).step_ms == Approx(4 + 12));
+  // The optimizer's step (0.5 ms per MiB alone) shares the cores likewise: 4 MiB in 2 ms alone, 4 with both ranks.
+  auto with_optimizer = batch_of(8);
+  with_optimizer.optimizer_ms_per_byte = 0.5 / kMiB;
+  CHECK(plan::predict(model, network(0.5, 1), with_optimizer, ddp).step_ms == Approx(4 + 7 + 4));
+  ddp.world = 1;  // alone: 8 samples, forward 2 x 2 ms, backward 2 x 2 ms (no contention), the step 2 ms
+  CHECK(plan::predict(model, network(0.5, 1), with_optimizer, ddp).step_ms == Approx(8 + 2));
+  ddp.world = 2;
 
   // A pipeline's ranks compute together only outside its bubble. GPipe over 2 ranks: 1 micro-batch
   // keeps one rank busy at a time (no contention); 2 micro-batches leave a bubble of 1/3, so 4/3
@@ -383,8 +409,9 @@ TEST_CASE("plan: the calibration fit recovers what made the measurements, from s
 
 TEST_CASE("plan: tensor parallelism splits Linear layers in column-row pairs and sums over the group") {
   // 3 layers; the first two Linear 64 -> 64 (a column-row pair), the third not splittable. At 8 samples:
-  // forward 2 ms, backward 1 + 1, output 400 bytes, input 400 (activation 800).
+  // forward 2 ms, backward 1 + 1, input 400 bytes, output 400, 800 left alive by each forward.
   auto model = equal_layers(3, kMiB);
+  for (auto& layer : model.layers) layer.input_bytes = 400;
   for (int i : {0, 1}) model.layers[i].in_features = model.layers[i].out_features = 64;
   CHECK(roles(model) == "column row whole");
   plan::Configuration tensor;
@@ -393,11 +420,11 @@ TEST_CASE("plan: tensor parallelism splits Linear layers in column-row pairs and
   // Every rank computes the whole batch: the pair's 8 ms halved, the third layer's 4 ms whole; one
   // all-reduce of the row layer's output forward (1 ms + 400 B); the column layer is the first, so no
   // input gradient to sum. Memory: half of the pair's 2 MiB and the third's 1 MiB, x (parameters,
-  // gradients, momentum), and every layer's activations of 8 samples.
+  // gradients, momentum), and every layer's activations of 8 samples with the first one's input.
   const auto net = network(1, 0);
   const auto p = plan::predict(model, net, batch_of(8), tensor);
   CHECK(p.step_ms == Approx(4 + 4 + 1));
-  CHECK(p.memory_per_rank == 2 * kMiB * 3 + 3 * 800);
+  CHECK(p.memory_per_rank == 2 * kMiB * 3 + 3 * 800 + 400);
   CHECK(p.bytes_per_step == 400);  // one all-reduce of 400 bytes over 2 ranks moves 2 (2 - 1) / 2 of them
   // A pair in the middle: the column layer sums its input's gradient too; alone, a layer is gathered.
   model.layers[2].in_features = model.layers[2].out_features = 64;
@@ -410,7 +437,7 @@ TEST_CASE("plan: tensor parallelism splits Linear layers in column-row pairs and
   tensor.world = 4;
   tensor.replicas = 2;
   CHECK(plan::predict(model, network(0, 0), batch_of(8), tensor).memory_per_rank ==
-        static_cast<int64_t>(2.5 * kMiB * 4) + 3 * 400);
+        static_cast<int64_t>(2.5 * kMiB * 4) + 3 * 400 + 200);
   // Features that do not divide, and a model with nothing to split, are refused by name.
   model.layers[1].out_features = 63;
   CHECK_THROWS_WITH(plan::predict(model, net, batch_of(8), tensor), Contains("63 output features do not split"));
@@ -421,7 +448,10 @@ TEST_CASE("plan: tensor parallelism splits Linear layers in column-row pairs and
 TEST_CASE("plan: a pipeline of tensor groups splits each stage's layers, and data replicas average them") {
   // 4 Linear 64 -> 64 layers, 1 MiB each, in 2 stages of 2-rank tensor groups.
   auto model = equal_layers(4, kMiB);
-  for (auto& layer : model.layers) layer.in_features = layer.out_features = 64;
+  for (auto& layer : model.layers) {
+    layer.in_features = layer.out_features = 64;
+    layer.input_bytes = 400;
+  }
   CHECK(roles(model, {2, 2}) == "column row column row");
   CHECK(roles(model, {1, 3}) == "gathered column row gathered");  // no pair spans a cut
   plan::Configuration pipe;
@@ -439,8 +469,10 @@ TEST_CASE("plan: a pipeline of tensor groups splits each stage's layers, and dat
   CHECK(p.configuration.describe() == "pipeline gpipe, 2 stages x 2 tensor, 1 micro-batch");
   CHECK(p.balance == std::vector<int64_t>{2, 2});
   CHECK(p.step_ms == Approx(11));
-  // Half of each of its stage's 2 layers x (parameters, gradients, momentum), and the stage's activations.
-  CHECK(p.memory_per_rank == 3 * kMiB + 2 * 800);
+  // Half of each of its stage's 2 layers x (parameters, gradients, momentum), and the stage's activations
+  // with its input; stage 0's backward holds the gradient stage 1 sent back and makes its last layer's input
+  // gradient (400 each).
+  CHECK(p.memory_per_rank == 3 * kMiB + 2 * 800 + 400 + 800);
   // Stage 1 sends most: the column's input gradient and the row's output summed (400 B each over 2 ranks
   // of a ring), and the gradient back to stage 0 (400 B).
   CHECK(p.bytes_per_step == 1200);
@@ -453,7 +485,7 @@ TEST_CASE("plan: a pipeline of tensor groups splits each stage's layers, and dat
   const auto grid = plan::predict(model, net, batch_of(16), pipe);
   CHECK(grid.configuration.describe() == "pipeline gpipe, 2 stages x 2 tensor x 2 replicas, 1 micro-batch");
   CHECK(grid.step_ms == Approx(11 + 1));
-  CHECK(grid.memory_per_rank == 4 * kMiB + 2 * 800);
+  CHECK(grid.memory_per_rank == 4 * kMiB + 2 * 800 + 400 + 800);
 
   // Sizes that do not divide, and layers that do not split, are refused by name.
   pipe.tensor = 3;
@@ -497,9 +529,12 @@ TEST_CASE("plan: what does not divide or does not fit is excluded with its reaso
   REQUIRE_FALSE(result.ranked.empty());
   for (size_t i = 1; i < result.ranked.size(); ++i) CHECK(result.ranked[i - 1].step_ms <= result.ranked[i].step_ms);
   for (const auto& p : result.ranked) CHECK(p.memory_per_rank <= 30 * kMiB);
-  const auto tight = planner.plan(plan::PlanOptions().world(3).memory_per_rank(20 * kMiB));
+  const auto tight = planner.plan(plan::PlanOptions().world(3).memory_per_rank(12 * kMiB));
   CHECK(tight.ranked.empty());
-  CHECK_THAT(plan::render_table(tight), Contains("needs 28.0 MiB per rank, over the 20.0 MiB cap"));
+  // The server: under BSP it keeps each worker's push twice (24 MiB), under ASP it applies them as received.
+  CHECK_THAT(plan::render_table(tight),
+             Contains("ps bsp, 2 workers + 1 server: needs 24.0 MiB per rank, over the 12.0 MiB cap"));
+  CHECK_THAT(plan::render_table(tight), Contains("ps asp, 2 workers + 1 server: needs 16.0 MiB per rank"));
   CHECK_THAT(plan::render_table(result), Contains("excluded:"));
 }
 
@@ -528,45 +563,51 @@ TEST_CASE("plan: a deep model over the memory cap goes to the pipeline") {
 }
 
 TEST_CASE("plan: a wide embedding model over the memory cap goes to the parameter server") {
-  // A 96 MiB embedding table (little compute; each sample touches 8 rows of 256 bytes) and a small MLP,
+  // A 64 MiB embedding table (little compute; each sample touches 8 rows of 256 bytes) and a small MLP,
   // Adam (2 bytes of state per parameter byte). DDP holds the table with gradients, Adam's two moments
-  // and the buckets' copies (5 x 96 MiB), a pipeline's first stage 4 x 96 MiB (a layer is not cut). The
+  // and the buckets' copies (5 x 64 MiB), a pipeline's first stage 4 x 64 MiB (a layer is not cut). The
   // parameter server keeps the table on the servers as sparse rows: 2 servers hold half of it with its
-  // state (3 x 48 MiB) and the MLP's share; a worker the MLP and the rows its 32 samples touch.
+  // state, grown by doubling (the values and Adam's two moments grown to 32 MiB each in turn, the last beside its
+  // old 16 MiB: 112 MiB), and the MLP's share; a worker the MLP and the rows its 32 samples touch. One server would
+  // hold 224 MiB.
   plan::ModelProfile model = equal_layers(3, kMiB);
-  model.layers[0].parameter_bytes = 96 * kMiB;
-  model.layers[0].sparse_parameter_bytes = 96 * kMiB;
+  model.layers[0].parameter_bytes = 64 * kMiB;
+  model.layers[0].sparse_parameter_bytes = 64 * kMiB;
   model.layers[0].sparse_bytes_per_sample = 8 * 256;
   model.layers[0].forward_ms = 0.1;
   const auto result = plan::Planner(model, network(0.05, 0.5), batch_of(64, 2))
-                          .plan(plan::PlanOptions().world(4).memory_per_rank(250 * kMiB));
+                          .plan(plan::PlanOptions().world(4).memory_per_rank(200 * kMiB));
   REQUIRE_FALSE(result.ranked.empty());
   CHECK(result.ranked.front().configuration.strategy == plan::Strategy::ParameterServer);
   for (const auto& p : result.ranked) {
     CHECK(p.configuration.strategy == plan::Strategy::ParameterServer);
     CHECK(p.configuration.servers == 2);
-    CHECK(p.memory_per_rank == Approx((10 * 1 + 3 * 48 + 2 * 2 * 0.0625) * kMiB).epsilon(0.01));  // a server
+    // A server: its 1 MiB share of the MLP, Adam's state and temporaries, the pushes (BSP: each of the 2 workers'
+    // twice; ASP: once, as received), the table with its state, and the rows pushed (2 x 32 KiB per worker).
+    const double dense = p.configuration.synchronous ? 1 + 2 + 4 + 2 : 1 + 2 + 2 + 2;
+    CHECK(p.memory_per_rank == Approx((dense + 3.5 * 32 + 2 * 2 * 0.03125) * kMiB).epsilon(0.001));
     CHECK(p.bytes_per_step < 8 * kMiB);  // the MLP and the touched rows, not the table
   }
   CHECK_THAT(result.recommended_cpp, Contains("torchpar::ps::ParameterService"));
   // ZeRO does not fit: the table is one bucket (stage 3: one unit), whose gradient and flat copy for the
-  // reduce-scatter (96 MiB each) a rank holds at once beside the parameters (stage 3: the gathered unit).
+  // reduce-scatter (64 MiB each) a rank holds at once beside the parameters (stage 3: the gathered unit).
   std::string sharded_reasons;
   for (const auto& excluded : result.excluded) {
     if (excluded.configuration.strategy == plan::Strategy::Sharded) sharded_reasons += excluded.reason + "\n";
   }
   CHECK(std::count(sharded_reasons.begin(), sharded_reasons.end(), '\n') == 3);
-  CHECK_THAT(sharded_reasons, Contains("over the 250.0 MiB cap"));
+  CHECK_THAT(sharded_reasons, Contains("over the 200.0 MiB cap"));
   // The same table without sparse rows: a worker would hold it 4 times over, and nothing fits.
   model.layers[0].sparse_parameter_bytes = 0;
   const auto dense = plan::Planner(model, network(0.05, 0.5), batch_of(64, 2))
-                         .plan(plan::PlanOptions().world(4).memory_per_rank(250 * kMiB));
+                         .plan(plan::PlanOptions().world(4).memory_per_rank(200 * kMiB));
   CHECK(dense.ranked.empty());
 }
 
 TEST_CASE("plan: a pipeline is cut at its fastest cut within the memory cap, not dropped") {
   // Four layers of 4 MiB, the first profiled 3x slower: cut by time alone, 2 stages take [1, 3], whose second
-  // stage holds 3 x (4 MiB of parameters, gradients and momentum) = 36 MiB; [2, 2] holds 24 MiB.
+  // stage holds 3 x (4 MiB of parameters, gradients and momentum) and a layer's gradients of the second micro-batch
+  // before they are accumulated = 40 MiB; [2, 2] holds 28 MiB.
   auto model = equal_layers(4, 4 * kMiB);
   model.layers[0].forward_ms *= 3;
   model.layers[0].backward_input_ms *= 3;
@@ -606,7 +647,8 @@ TEST_CASE("plan: a pipeline is cut at its fastest cut within the memory cap, not
                         .plan(plan::PlanOptions().world(2).memory_per_rank(10 * kMiB).data_parallel(false)
                                   .sharded(false).parameter_server(false).tensor_parallel(false).microbatches({2}));
   CHECK(none.ranked.empty());
-  CHECK_THAT(plan::render_table(none), Contains("needs, cut the leanest way, 24.0 MiB per rank, over the 10.0 MiB cap"));
+  CHECK_THAT(plan::render_table(none),
+             Contains("needs, cut the leanest way, 28.0 MiB per rank, over the 10.0 MiB cap"));
 }
 
 TEST_CASE("plan: with more cuts than it tries, the planner's local search still finds one within the cap") {
@@ -663,7 +705,7 @@ TEST_CASE("plan: the memory model's resident-only lines: rings, the shm segment,
   pipe.schedule = torchpar::pipeline::ScheduleKind::GPipe;
   pipe.microbatches = 2;
   const auto p = plan::predict(equal_layers(2, 2 * kMiB), net, batch_of(8), pipe);
-  CHECK(p.tensor_memory_per_rank == 6 * kMiB + 800);
+  CHECK(p.tensor_memory_per_rank == 8 * kMiB + 800 + 200);
   CHECK(p.memory_per_rank - p.tensor_memory_per_rank == 2 * plan::ring_pages(16 * kMiB, 2 * 200));
   // DDP beside an shm group: its segment's pages as far as its largest bucket (a layer, 2 MiB) reaches, the
   // model's measured heap retention (a rank re-making all its gradients keeps all of it: 5 MiB), the process's 3 MiB,

@@ -29,6 +29,7 @@ void bind_plan(py::module_& module) {
       .def_readwrite("backward_weight_overhead_ms", &plan::LayerProfile::backward_weight_overhead_ms)
       .def_readwrite("parameter_bytes", &plan::LayerProfile::parameter_bytes)
       .def_readwrite("activation_bytes", &plan::LayerProfile::activation_bytes)
+      .def_readwrite("input_bytes", &plan::LayerProfile::input_bytes)
       .def_readwrite("output_bytes", &plan::LayerProfile::output_bytes)
       .def_readwrite("sparse_parameter_bytes", &plan::LayerProfile::sparse_parameter_bytes)
       .def_readwrite("sparse_bytes_per_sample", &plan::LayerProfile::sparse_bytes_per_sample)

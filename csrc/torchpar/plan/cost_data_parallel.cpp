@@ -27,7 +27,8 @@ Prediction predict_data_parallel(const ModelProfile& model, const NetworkProfile
   prediction.compute_ms = step.forward_ms + step.backward_ms;
   prediction.exposed_comm_ms = step.finish_ms - step.backward_ms;
   prediction.step_ms = step.forward_ms + step.finish_ms + copy_ms_per_byte * static_cast<double>(parameters) +
-                       setup.optimizer_ms_per_byte * static_cast<double>(parameters) + calibration.per_step_ms;
+                       optimizer_ms(model, setup, static_cast<double>(parameters), world, world) +
+                       calibration.per_step_ms;
   // Parameters, gradients, the buckets' flat copies of them, optimizer state; activations of its samples; the
   // pages of the shm group its buckets go through.
   auto& memory = prediction.memory;

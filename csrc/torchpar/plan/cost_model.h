@@ -21,8 +21,13 @@ struct LayerProfile {
   double backward_input_ms = 0;   // the input gradient's part of backward
   double backward_weight_ms = 0;  // the weight gradients' part
   int64_t parameter_bytes = 0;
-  int64_t activation_bytes = 0;   // kept for backward, at ModelProfile::batch samples
-  int64_t output_bytes = 0;       // what a stage boundary after this layer sends, at ModelProfile::batch
+  // What the layer's forward leaves alive until backward, at ModelProfile::batch samples: its output and what it
+  // saves, less its input where it lets that go (measured on the layers chained as the model runs them, where CPU
+  // allocations are counted: a layer that saves its input and one that saves its output keep one tensor between
+  // them, not two; else its output). A stage also holds its input (input_bytes of its first layer).
+  int64_t activation_bytes = 0;
+  int64_t output_bytes = 0;  // what a stage boundary after this layer sends, at ModelProfile::batch
+  int64_t input_bytes = 0;   // what reaches the layer, at ModelProfile::batch
   // The part of each time that does not shrink with fewer samples (kernel launches, Python,
   // allocation): a pass over n samples takes overhead + (time - overhead) * n / batch.
   double forward_overhead_ms = 0;

@@ -6,6 +6,21 @@ namespace torchpar::plan {
 
 using namespace terms;
 
+namespace {
+
+// What a server's part of a sparse table (`bytes` of rows once every row was touched) and the optimizer's `state`
+// per value byte peak at: a row exists once touched and the storage grows by doubling (ps/sparse_table.cpp), to a
+// capacity of the rows rounded up to a power of two (exact where a row's bytes are one), its tensors one after the
+// other: as the last grows, the others are grown already and it holds its old half beside its new whole.
+double grown_rows_peak(double bytes, double state) {
+  if (bytes <= 0) return 0.0;
+  double capacity = 1;
+  while (capacity < bytes) capacity *= 2;
+  return capacity * (1 + state + 0.5);
+}
+
+} // namespace
+
 Prediction predict_parameter_server(const ModelProfile& model, const NetworkProfile& idle_network,
                                     const TrainingSetup& setup, const Configuration& configuration,
                                     const Calibration& given) {
@@ -55,7 +70,7 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
   const auto round_trip_ms = [&](double bytes) {
     const double part = bytes / servers;
     return 2 * transfer_ms(part) + network.copy.ms_per_byte * (2 * bytes + part) +
-           setup.optimizer_ms_per_byte * part + calibration.ps_ms_per_byte * bytes;
+           optimizer_ms(model, setup, part, workers, configuration.world) + calibration.ps_ms_per_byte * bytes;
   };
   const auto step = overlapped_step(dense, samples, {static_cast<size_t>(configuration.bucket_bytes)}, calibration,
                                     0.0, round_trip_ms);
@@ -69,39 +84,48 @@ Prediction predict_parameter_server(const ModelProfile& model, const NetworkProf
   const double server_ms =
       workers * (both_ways_ms(share) + both_ways_ms(rows_share) +
                  (network.copy.ms_per_byte + calibration.ps_ms_per_byte) * (share + rows_share)) +
-      setup.optimizer_ms_per_byte * (share * (configuration.synchronous ? 1 : workers) + rows_share * workers);
+      optimizer_ms(model, setup, share * (configuration.synchronous ? 1 : workers) + rows_share * workers, workers,
+                   configuration.world);
   const double worker_ms = step.forward_ms + step.finish_ms + rows_ms;
   Prediction prediction;
   prediction.configuration = configuration;
   prediction.compute_ms = step.forward_ms + step.backward_ms;
   prediction.step_ms = std::max(worker_ms, server_ms) + calibration.per_step_ms + calibration.ps_per_step_ms;
   prediction.exposed_comm_ms = prediction.step_ms - prediction.compute_ms;
-  // Measured (docs/planner.md): a worker holds its parameters, their gradients, the buffer the pulled
-  // values land in and the replies (and of the rows it touched, the rows, their gradients and the
-  // reply); a server its share, the optimizer's state, each worker's push and the round's copy of it,
-  // the workers' mean, and Adam's temporaries — and its part of the tables with their state (every row
-  // some batch touches, at most the whole table). Between ranks of one host both ends also map the
-  // pages of both rings of each channel that the payloads in flight touched (every bucket at once, at
-  // most the ring).
+  // Measured per rank (docs/planner.md): a worker holds its parameters, their gradients and one copy of the values
+  // the servers answered (the first pull's), the rows it touched (rows, gradients, the reply), and maps the pages
+  // of the values the servers lend it. A server holds the optimizer's state of its share; its values in a
+  // shared region its workers read (between ranks of one host; elsewhere a tensor of its own); under BSP each
+  // worker's push twice until the round is applied (the round's copy, and the message deferred until its pull can
+  // be answered); under ASP a push applied from the ring where it arrived (else from its own copy); Adam's
+  // temporaries; its part of the sparse tables with their state (sparse rows take plain SGD unless the model
+  // trains with Adam), once a long training touched every row, and the pushes of rows. Between ranks of one host
+  // both ends also map the pages of both rings of each channel that the payloads in flight touched (every bucket at
+  // once, at most the ring).
+  const bool same_host = network.ps_ring_bytes > 0;
   const auto channel_pages = [&](double bytes) { return through_ring(bytes) ? 2 * bytes : 0.0; };
   MemoryBreakdown worker;
   worker.add("parameters", parameters);
   worker.add("gradients", parameters);
-  worker.add("pulled values' buffer", parameters);
-  worker.add("servers' replies", parameters);
+  worker.add("the servers' values, as first pulled", parameters);
+  if (same_host) worker.add("the servers' values lent (their pages mapped)", parameters, false);
   worker.add("sparse rows touched (rows, gradients, reply)", 3 * touched);
   worker.add("activations", static_cast<double>(all_activation_bytes(model, samples)));
   worker.add("parameter server rings' pages", servers * channel_pages((parameters + touched) / servers), false);
   worker.add("backward's temporaries (beyond freed activations)", backward_temporaries(model, samples));
   add_host_lines(worker, network.host_memory, heap_retained(model, parameters));
+  const double rows_state = setup.optimizer_state_factor >= 2 ? setup.optimizer_state_factor : 0.0;
   MemoryBreakdown server;
-  server.add("its share of the parameters", share);
+  server.add("its share of the parameters (shared with its workers)", share, !same_host);
   server.add("optimizer state", share * setup.optimizer_state_factor);
-  server.add("workers' pushes, kept until answered, and the round's copies", 2 * workers * share);
-  if (workers > 1) server.add("the workers' mean", share);
+  if (configuration.synchronous) {
+    server.add("workers' pushes, twice until the round is applied", 2 * workers * share);
+  } else if (!through_ring(share)) {
+    server.add("workers' pushes, as received", workers * share);
+  }
   if (setup.optimizer_state_factor >= 2) server.add("Adam's temporaries", 2 * share);
-  server.add("its part of the sparse tables, with optimizer state",
-             sparse_table / servers * (1 + setup.optimizer_state_factor));
+  server.add("its part of the sparse tables with their state, as they grow",
+             grown_rows_peak(sparse_table / servers, rows_state));
   server.add("workers' pushes of sparse rows", 2 * workers * rows_share);
   server.add("parameter server rings' pages", workers * channel_pages(share + rows_share), false);
   add_host_lines(server, network.host_memory, 0.0);  // it runs no training loop

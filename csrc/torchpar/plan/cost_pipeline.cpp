@@ -9,6 +9,22 @@ namespace torchpar::plan {
 
 using namespace terms;
 
+namespace {
+
+// Most micro-batches a rank's stage `stage` holds between their input gradients (I) and their weight gradients (W)
+// in the simulated timeline: the pipeline keeps each layer's output gradient until W (pipeline/stage.cpp).
+int most_awaiting_weights(const pipeline::Simulation& simulation, int rank, int stage) {
+  int awaiting = 0, most = 0;
+  for (const auto& timed : simulation.timeline[static_cast<size_t>(rank)]) {
+    if (timed.action.stage != stage) continue;
+    if (timed.action.type == pipeline::ActionType::BackwardInput) most = std::max(most, ++awaiting);
+    if (timed.action.type == pipeline::ActionType::BackwardWeight) --awaiting;
+  }
+  return most;
+}
+
+} // namespace
+
 Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idle_network,
                             const TrainingSetup& setup, const Configuration& configuration, const Calibration& given) {
   const int replicas = configuration.replicas;
@@ -92,7 +108,8 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
   prediction.bubble_fraction = simulation.bubble_fraction;
   double slowest_extra = 0;
   for (int rank = 0; rank < spec.ranks; ++rank) {
-    int64_t parameters = 0, activations = 0, sent = 0, largest_message = 0;
+    int64_t parameters = 0, activations = 0, sent = 0, largest_message = 0, awaiting_weights = 0;
+    double largest_layer = 0;  // of this rank's split
     double compute = 0, temporaries = 0;
     std::set<int> neighbours;  // the stage ranks this one exchanges activations and gradients with
     for (int stage = rank; stage < stages; stage += spec.ranks) {
@@ -101,10 +118,16 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
         const auto index = static_cast<size_t>(layer);
         const auto split = split_layer_cost(model, index, roles[index], tensor, micro, tensor_network, calibration);
         parameters += static_cast<int64_t>(split.parameter_bytes);
+        largest_layer = std::max(largest_layer, split.parameter_bytes);
         sent += static_cast<int64_t>(spec.microbatches * split.moved_bytes);
       }
       activations = std::max(activations, activation_bytes(model, micro, begin, end));
       temporaries = std::max(temporaries, backward_temporaries(model, micro, begin, end));
+      int64_t output_gradients = 0;
+      for (int64_t layer = begin; layer < end; ++layer) {
+        output_gradients += at_samples(model.layers[static_cast<size_t>(layer)].output_bytes, micro, model);
+      }
+      awaiting_weights += most_awaiting_weights(simulation, rank, stage) * output_gradients;
       const auto& cost = costs[static_cast<size_t>(stage)];
       compute += spec.microbatches * (cost.forward + cost.backward);
       const int64_t boundary = at_samples(model.layers[static_cast<size_t>(end - 1)].output_bytes, micro, model);
@@ -124,7 +147,8 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
     neighbours.erase(rank);
     const double averaging =
         replicas > 1 ? replica_network.all_reduce.milliseconds(static_cast<double>(parameters)) : 0.0;
-    slowest_extra = std::max(slowest_extra, averaging + setup.optimizer_ms_per_byte * static_cast<double>(parameters));
+    slowest_extra = std::max(slowest_extra, averaging + optimizer_ms(model, setup, static_cast<double>(parameters),
+                                                                       configuration.world, configuration.world));
     prediction.compute_ms = std::max(prediction.compute_ms, compute);
     MemoryBreakdown memory;
     const auto held = simulation.peak_activations[static_cast<size_t>(rank)];
@@ -141,6 +165,9 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
                        host.stage_ring_bytes, static_cast<double>(spec.microbatches * largest_message)))),
                false);
     memory.add("backward's temporaries (beyond freed activations)", temporaries);
+    memory.add("output gradients kept for the weight gradients (W)", static_cast<double>(awaiting_weights));
+    // From the second micro-batch on, a layer's weight gradients are made apart and then added to those accumulated.
+    if (spec.microbatches > 1) memory.add("a layer's gradients before they are accumulated", largest_layer);
     add_host_lines(memory, host, heap_retained(model, whole));
     if (memory.total() > prediction.memory.total()) prediction.memory = std::move(memory);
     const int64_t averaged = replicas > 1 ? 2 * (replicas - 1) * parameters / replicas : 0;

@@ -92,7 +92,7 @@ Prediction predict_sharded(const ModelProfile& model, const NetworkProfile& idle
   prediction.configuration = configuration;
   prediction.compute_ms = step.forward_ms + step.backward_ms;
   prediction.exposed_comm_ms = step.finish_ms - step.backward_ms + gather_ms;
-  prediction.step_ms = step.forward_ms + step.finish_ms + gather_ms + setup.optimizer_ms_per_byte * shard +
+  prediction.step_ms = step.forward_ms + step.finish_ms + gather_ms + optimizer_ms(model, setup, shard, world, world) +
                        calibration.per_step_ms;
   // The engine (sharded/sharded_coordinator.cpp) at its fullest moment, in backward or in the optimizer's step.
   // Always: the parameters at stages 1-2 (whole, views of flat buckets); the shard's flat copy (the optimizer's

@@ -63,7 +63,8 @@ Prediction predict_tensor_parallel(const ModelProfile& model, const NetworkProfi
   Prediction prediction;
   prediction.configuration = configuration;
   prediction.compute_ms = forward + backward;
-  prediction.step_ms = forward + backward + communication + averaging + setup.optimizer_ms_per_byte * parameters +
+  prediction.step_ms = forward + backward + communication + averaging +
+                       optimizer_ms(model, setup, parameters, configuration.world, configuration.world) +
                        calibration.per_step_ms;
   prediction.exposed_comm_ms = communication + averaging;
   auto& memory = prediction.memory;

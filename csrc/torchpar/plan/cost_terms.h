@@ -35,12 +35,26 @@ inline double backward_weight_at(const LayerProfile& layer, int64_t samples, con
   return at_samples(layer.backward_weight_ms, layer.backward_weight_overhead_ms, samples, model, calibration);
 }
 
+// How much slower a rank computes with `busy` of the world's ranks computing at once (the profile's contention, in
+// proportion to the ranks busy beside this one).
+inline double contention_at(const ModelProfile& model, double busy, int world) {
+  const double share = world > 1 ? std::clamp((busy - 1) / (world - 1), 0.0, 1.0) : 0.0;
+  return 1 + (model.contention - 1) * share;
+}
+
 // The calibration with compute slowed for `busy` of the world's ranks computing at once.
 inline Calibration with_contention(const ModelProfile& model, const Calibration& calibration, double busy, int world) {
   Calibration effective = calibration;
-  const double share = world > 1 ? std::clamp((busy - 1) / (world - 1), 0.0, 1.0) : 0.0;
-  effective.compute_scale *= 1 + (model.contention - 1) * share;
+  effective.compute_scale *= contention_at(model, busy, world);
   return effective;
+}
+
+// The optimizer's step over `bytes` of parameters with `busy` of the world's ranks stepping or computing at once:
+// measured in one process, and slowed by sharing cores and memory bandwidth as the layers are (2 ranks stepping a
+// 24 MiB SGD with momentum at once here: 1.1-1.2x alone; 4 ranks on the 2 cores: 2-2.8x).
+inline double optimizer_ms(const ModelProfile& model, const TrainingSetup& setup, double bytes, double busy,
+                           int world) {
+  return setup.optimizer_ms_per_byte * bytes * contention_at(model, busy, world);
 }
 
 // The process group's operations while the ranks compute; with `busy` of the world's ranks computing, the
@@ -137,8 +151,10 @@ inline OverlappedStep overlapped_step(const ModelProfile& model, int64_t samples
   return step;
 }
 
+// What layers [begin, end) hold from forward to backward at `samples`: their input and what their forwards leave.
 inline int64_t activation_bytes(const ModelProfile& model, int64_t samples, int64_t begin, int64_t end) {
-  int64_t bytes = 0;
+  if (begin >= end) return 0;
+  int64_t bytes = at_samples(model.layers[static_cast<size_t>(begin)].input_bytes, samples, model);
   for (int64_t layer = begin; layer < end; ++layer) {
     bytes += at_samples(model.layers[static_cast<size_t>(layer)].activation_bytes, samples, model);
   }
@@ -171,15 +187,24 @@ inline double heap_retained(const ModelProfile& model, double remade_bytes) {
   return whole > 0 ? static_cast<double>(model.heap_retention_bytes) * std::min(1.0, remade_bytes / whole) : 0.0;
 }
 
-// What layers [begin, end)'s backward temporaries add at `samples` above the activations, which the memory line
-// of the activations counts whole: backward runs from the last layer to the first, freeing each layer's
-// activations as it goes, so a layer's temporaries count only beyond the activations of the layers after it.
+// What layers [begin, end)'s backward adds at `samples` above the activations, which the memory line of the
+// activations counts whole. A layer's temporaries are measured on it alone (profile.cpp), which is what it adds
+// inside a chain of layers; a pipeline stage's last layer (where the model goes on after it) holds besides the
+// gradient that arrived from the next stage, which the pipeline keeps through the stage's backward, and the one it
+// makes for its input (measured: the conv net's stages, 2026-12-07). Backward runs from the last layer to the
+// first, freeing each layer's activations as it goes, so this counts only beyond the activations of the layers
+// after it.
 inline double backward_temporaries(const ModelProfile& model, int64_t samples, int64_t begin = 0, int64_t end = -1) {
-  if (end < 0) end = static_cast<int64_t>(model.layers.size());
+  const auto layers = static_cast<int64_t>(model.layers.size());
+  if (end < 0) end = layers;
+  if (begin >= end) return 0.0;
+  const auto& last = model.layers[static_cast<size_t>(end - 1)];
+  const int64_t received = end < layers ? last.output_bytes : 0;
   int64_t most = 0, freed = 0;
   for (int64_t layer = end; layer-- > begin;) {
     const auto& profile = model.layers[static_cast<size_t>(layer)];
-    most = std::max(most, at_samples(profile.backward_temporary_bytes, samples, model) - freed);
+    const int64_t made = layer == end - 1 && end < layers ? profile.input_bytes : 0;
+    most = std::max(most, at_samples(profile.backward_temporary_bytes + received + made, samples, model) - freed);
     freed += at_samples(profile.activation_bytes, samples, model);
   }
   return static_cast<double>(most);
@@ -232,7 +257,7 @@ inline SplitLayerCost split_layer_cost(const ModelProfile& model, size_t index, 
   if (tensor == 1) return cost;
   const double ring = 2.0 * (tensor - 1) / tensor;  // bytes an all-reduce sends per byte
   const auto output = static_cast<double>(at_samples(layer.output_bytes, samples, model));
-  const auto input = static_cast<double>(at_samples(layer.activation_bytes - layer.output_bytes, samples, model));
+  const auto input = static_cast<double>(at_samples(layer.input_bytes, samples, model));
   if (role == TensorRole::Row) {
     cost.forward_communication_ms += network.all_reduce.milliseconds(output);
     cost.moved_bytes += ring * output;

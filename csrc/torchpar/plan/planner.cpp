@@ -70,9 +70,9 @@ bool better_under_cap(const Prediction& a, const Prediction& b, int64_t cap) {
 
 // Where every cut is too many to try, for a pipeline of one stage per rank without tensor groups: the cut that
 // minimises the slowest stage's time (the layers' profiled times) among those whose every stage's tensors
-// (parameters, gradients, replicas' buckets, optimizer state, and the activations each rank holds in the
-// schedule, simulated at equal costs) fit `cap` (0: none); where none fits, the one least over it. By dynamic
-// programming over (stage, layers so far).
+// (parameters, gradients, replicas' buckets, optimizer state, a layer's gradients before they are accumulated, and
+// the activations each rank holds in the schedule, simulated at equal costs) fit `cap` (0: none); where none fits,
+// the one least over it. By dynamic programming over (stage, layers so far).
 std::vector<int64_t> fastest_fitting_cut(const ModelProfile& model, const TrainingSetup& setup,
                                          const Configuration& configuration, int64_t cap) {
   pipeline::ScheduleSpec spec;
@@ -93,18 +93,20 @@ std::vector<int64_t> fastest_fitting_cut(const ModelProfile& model, const Traini
   best[0][0] = {0, 0.0};
   for (int64_t stage = 1; stage <= stages; ++stage) {
     for (int64_t end = stage; end <= layers - (stages - stage); ++end) {
-      double parameters = 0, milliseconds = 0;
+      double parameters = 0, milliseconds = 0, largest = 0;
       int64_t activations = 0;
       for (int64_t begin = end - 1; begin >= stage - 1; --begin) {  // the stage is layers [begin, end)
         const auto& layer = model.layers[static_cast<size_t>(begin)];
         parameters += static_cast<double>(layer.parameter_bytes);
+        largest = std::max(largest, static_cast<double>(layer.parameter_bytes));
         milliseconds += layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms;
         activations += layer.activation_bytes * micro / model.batch;
         const auto& before = best[static_cast<size_t>(stage - 1)][static_cast<size_t>(begin)];
         if (before == unreachable) continue;
         const int64_t memory =
-            static_cast<int64_t>(parameters * (2 + (configuration.replicas > 1) + setup.optimizer_state_factor)) +
-            held[static_cast<size_t>(stage - 1)] * activations;
+            static_cast<int64_t>(parameters * (2 + (configuration.replicas > 1) + setup.optimizer_state_factor) +
+                                 (configuration.microbatches > 1 ? largest : 0.0)) +
+            held[static_cast<size_t>(stage - 1)] * (activations + layer.input_bytes * micro / model.batch);
         const Cost cost{std::max(before.first, cap > 0 ? std::max<int64_t>(0, memory - cap) : 0),
                         std::max(before.second, milliseconds)};
         auto& here = best[static_cast<size_t>(stage)][static_cast<size_t>(end)];

@@ -90,6 +90,7 @@ ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, co
   ModelProfile model;
   model.batch = sample[0].size(0);
   pipeline::Tensors current = sample;
+  std::vector<pipeline::Layer> built;
   for (size_t index = 0; index < factories.size(); ++index) {
     pipeline::Layer layer = factories[index]();
     pipeline::Tensors inputs, differentiable;
@@ -144,8 +145,9 @@ ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, co
       profile.backward_weight_ms = layer.parameters.empty() ? 0.0 : whole - profile.backward_input_ms;
       if (layer.parameters.empty()) profile.backward_input_ms = whole;
     }
+    profile.input_bytes = bytes_of(inputs);
     profile.output_bytes = bytes_of(outputs);
-    profile.activation_bytes = bytes_of(inputs) + profile.output_bytes;
+    profile.activation_bytes = profile.output_bytes;
     model.layers.push_back(profile);
     for (auto& parameter : layer.parameters) {
       all_parameters.push_back(parameter);
@@ -153,6 +155,19 @@ ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, co
     }
     current.clear();
     for (const auto& output : outputs) current.push_back(output.detach());
+    built.push_back(std::move(layer));
+  }
+  if (counting_cpu_allocations()) {
+    // One forward through the layers chained, as the model runs them: what each leaves alive beyond the tensors
+    // before it. Its input is the previous layer's output, which stays only if one of the two saved it.
+    pipeline::Tensors chain = sample;
+    int64_t alive = cpu_allocations().current;
+    for (size_t index = 0; index < built.size(); ++index) {
+      chain = built[index].forward(chain);
+      const int64_t now = cpu_allocations().current;
+      model.layers[index].activation_bytes = now - alive;
+      alive = now;
+    }
   }
   return model;
 }

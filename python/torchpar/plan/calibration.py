@@ -33,7 +33,8 @@ KEPT_SAMPLES = 60  # the most recent per key: the machine may change under it
 
 _LAYER_FIELDS = ("name", "forward_ms", "backward_input_ms", "backward_weight_ms", "forward_overhead_ms",
                  "backward_input_overhead_ms", "backward_weight_overhead_ms", "parameter_bytes", "activation_bytes",
-                 "output_bytes", "sparse_parameter_bytes", "sparse_bytes_per_sample", "in_features", "out_features")
+                 "input_bytes", "output_bytes", "sparse_parameter_bytes", "sparse_bytes_per_sample", "in_features",
+                 "out_features")
 _CONFIGURATION_FIELDS = ("world", "replicas", "tensor", "schedule", "microbatches", "virtual_stages", "balance",
                          "servers", "synchronous", "zero_stage")
 
@@ -156,6 +157,8 @@ def sample_from_json(fields: dict):
     layers = []
     for values in fields["layers"]:
         layer = _engine.LayerProfile()
+        # Samples kept before input_bytes existed counted a layer's activations as its input plus its output.
+        values.setdefault("input_bytes", values["activation_bytes"] - values["output_bytes"])
         for name in _LAYER_FIELDS:
             setattr(layer, name, values[name])
         layers.append(layer)

@@ -26,7 +26,7 @@ import torchpar.pipeline
 from torchpar import allocator
 import torchpar.ps
 from torchpar._C import plan as _engine
-from torchpar.plan.embeddings import with_remote_embeddings
+from torchpar.plan.embeddings import build_with_remote_embeddings
 from torchpar.plan.model import Model
 from torchpar.plan.tensor_split import split_layer, split_model
 
@@ -150,7 +150,14 @@ def _parameter_server(model: Model, configuration, batch: int, warmup: int, step
         # The first layer's embeddings as sparse tables on the servers, as the cost model counts them (sparse rows
         # take SGD without momentum).
         rows_optimizer = optimizer if model.optimizer == "adam" else torchpar.ps.SGD(lr=model.lr)
-        first = with_remote_embeddings(copy.deepcopy(model.build(0)), service.client, rows_optimizer, "embedding")
+        first = build_with_remote_embeddings(model, 0, service.client, rows_optimizer, "embedding")
+        # A row exists on its server once some batch touched it: every row once first, so that the servers hold what
+        # a long training makes them hold (as predicted), not the few a short verification reaches.
+        with torch.no_grad():
+            for table in first.modules():
+                if isinstance(table, torchpar.ps.Embedding):
+                    for start in range(0, table.num_rows, 1024):
+                        table(torch.arange(start, min(start + 1024, table.num_rows)))
         net = nn.Sequential(first, *[copy.deepcopy(model.build(i)) for i in range(1, len(model.layers))])
         parameters = torchpar.ps.RemoteParameters(net, service.client, optimizer)
         x, y = model.sample(batch // workers)
