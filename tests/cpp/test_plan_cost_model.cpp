@@ -262,12 +262,12 @@ TEST_CASE("plan: a pipeline's step is the simulator's makespan of its stage cost
 TEST_CASE("plan: a parameter server's step is the slower of a worker and a server") {
   plan::Configuration ps;
   ps.strategy = plan::Strategy::ParameterServer;
-  ps.world = 3;  // 2 workers and a server
-  // Workers: 4 samples, forward 2 ms, backward 2 ms, then one 4 MiB bucket pushed and pulled:
-  // 2 x 0.1 + 2 x 4 ms = 8.2 ms, so a worker's step is 12.2 ms. The server receives and answers both
-  // workers: 2 x (0.1 + 8) = 16.2 ms: the bottleneck.
+  ps.world = 3;  // 2 workers and a server, BSP
+  // Workers: 4 samples, forward 2 ms, backward 2 ms, then one 4 MiB bucket pushed and pulled: 2 x 0.1 + 2 x 4 ms
+  // = 8.2 ms, and under BSP the server takes the other worker's push first (4.1 ms): a worker's step is 16.3 ms.
+  // The server receives and answers both workers: 2 x (0.1 + 8) = 16.2 ms.
   const auto p = plan::predict(equal_layers(2, 2 * kMiB), network(0.1, 1), batch_of(8), ps);
-  CHECK(p.step_ms == Approx(16.2));
+  CHECK(p.step_ms == Approx(16.3));
   // A worker: parameters, gradients and the values first pulled (12 MiB) and its activations; the server
   // (BSP): its 4 MiB share, momentum, and each worker's push twice until the round is applied: 6 x 4 MiB.
   CHECK(p.memory_per_rank == 24 * kMiB);
@@ -275,33 +275,39 @@ TEST_CASE("plan: a parameter server's step is the slower of a worker and a serve
 
   // Copies of 0.25 ms/MiB and an optimizer of 0.5 ms/MiB. A worker's round trip: push and pull (8.2 ms),
   // the worker's copy into the push and out of the reply (2 ms), the server's optimizer (2 ms) and
-  // its copy into the reply (1 ms): 13.2, a step of 17.2 ms. The server: 2 x (8.1 + 1) + 2 = 20.2 ms.
+  // its copy into the reply (1 ms): 13.2, and the other worker's push received and copied (4.1 + 1): a step of
+  // 22.3 ms. The server: 2 x (8.1 + 1) + 2 = 20.2 ms.
   auto net = network(0.1, 1);
   net.copy = {0, 0.25 / kMiB};
   auto setup = batch_of(8);
   setup.optimizer_ms_per_byte = 0.5 / kMiB;
-  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps).step_ms == Approx(20.2));
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps).step_ms == Approx(22.3));
 
   // Every rank on one host: the 4 MiB payloads go through the rings, each behind a 16 KiB frame
   // (0.1 + 1/64 ms) with a copy in and out (2 x 1 ms): 2.1156 ms a transfer instead of 4.1. A worker's
-  // round trip: 2 x 2.1156 + 2 + 2 + 1 = 9.23 ms, its step 13.23 (now the bottleneck); the server:
+  // round trip: 2 x 2.1156 + 2 + 2 + 1 = 9.23 ms and the other's push (2.1156 + 1), its step 16.35; the server:
   // 2 x (2 x 2.1156 + 1) + 2 = 12.46 ms. Both ends map the pages of both rings of each channel that the
   // 4 MiB payloads reach: the server 2 x 8 MiB more, the worker 8. (The server's values are then pages its
   // workers map too, not a tensor: the same bytes of its resident set.)
   net.ps_ring_bytes = 64 * kMiB;
   const auto one_host = plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps);
-  CHECK(one_host.step_ms == Approx(13.23125));
+  CHECK(one_host.step_ms == Approx(16.346875));
   CHECK(one_host.memory_per_rank == (24 + 2 * 8) * kMiB);
   CHECK(one_host.tensor_memory_per_rank == 20 * kMiB);
+  // ASP: each push applied as it arrives, the optimizer once per push: a worker's step 13.23 ms, the server's
+  // 2 x (2 x 2.1156 + 1) + 2 x 2 = 14.46 ms, faster than BSP.
+  ps.synchronous = false;
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps).step_ms == Approx(14.4625));
+  ps.synchronous = true;
   net.ps_ring_bytes = 2 * kMiB;  // payloads larger than the ring go through Gloo
-  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps).step_ms == Approx(20.2));
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps).step_ms == Approx(22.3));
 
   // A table of sparse rows adds the calibration's fixed cost of their pull and push to a worker's step
   // (here the bottleneck), and nothing to a model without one.
   plan::Calibration rows_cost;
   rows_cost.ps_rows_ms = 3;
   net.ps_ring_bytes = 64 * kMiB;
-  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps, rows_cost).step_ms == Approx(13.23125));
+  CHECK(plan::predict(equal_layers(2, 2 * kMiB), net, setup, ps, rows_cost).step_ms == Approx(16.346875));
   auto with_rows = equal_layers(2, 2 * kMiB);
   with_rows.layers[0].sparse_parameter_bytes = 2 * kMiB;
   with_rows.layers[0].sparse_bytes_per_sample = 1024;
