@@ -19,11 +19,11 @@ namespace {
 
 // Keeps LibTorch's own allocator underneath (its alignment, its memory-profiler reports) and the DataPtr's context
 // equal to its data, as the default allocator's, so raw_allocate/raw_deallocate keep working; the size of each
-// live allocation, and the cache it came from, is kept by address for its release. Large blocks come from the block caches once there are some:
-// one for blocks under kLargeBlock (activations, biases' gradients) and one for the rest, as the CUDA caching
-// allocator keeps a small and a large pool — a small block that lives long (an activation kept for backward) would
-// otherwise split a large free block that the next large request then needs whole, and pages would be moved every
-// step.
+// live allocation, and the cache it came from, is kept by address for its release. Large blocks come from the
+// block caches once there are some: one for blocks under kLargeBlock (activations, biases' gradients) and one for
+// the rest, as the CUDA caching allocator keeps a small and a large pool — a small block that lives long (an
+// activation kept for backward) would otherwise split a large free block that the next large request then needs
+// whole, and pages would be moved every step.
 class CountingCpuAllocator final : public c10::Allocator {
  public:
   explicit CountingCpuAllocator(c10::Allocator* underlying) : underlying_(underlying) {}

@@ -20,9 +20,9 @@ struct CpuAllocations {
 
 // CPU tensor blocks of kSmallestKeptBlock bytes and more are mapped by torchpar and kept when freed for the next
 // block of their size (up to `most_kept_free` bytes of free blocks under 1 MiB and as much of larger ones; beyond,
-// the least recently freed go back to the system), so a training step faults nothing back in and the resident set stops growing after the first
-// steps. Installs the counter too; blocks allocated before are released as they were made. Idempotent: a second
-// call only changes `most_kept_free`.
+// the least recently freed go back to the system), so a training step faults nothing back in and the resident set
+// stops growing after the first steps. Installs the counter too; blocks allocated before are released as they were
+// made. Idempotent: a second call only changes `most_kept_free`.
 constexpr size_t kSmallestKeptBlock = 128 << 10;  // glibc's own threshold for mapping a block apart
 constexpr size_t kLargeBlock = 1 << 20;           // blocks under it and the others are kept apart
 void keep_freed_memory(size_t most_kept_free = size_t{256} << 20);

@@ -84,9 +84,10 @@ double mean_without_stalls_ms(int repeats, const std::function<void()>& run) {
   return sum / static_cast<double>(samples.size());
 }
 
-// One pass of profiling at the sample's batch; `all_parameters` collects the layers' parameters.
+// One pass of profiling at the sample's batch; `all_parameters` collects the layers' parameters. With
+// `chained_activations` (and CPU allocations counted), each layer's activations are measured on the layers chained.
 ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample,
-                        int repeats, std::vector<at::Tensor>& all_parameters) {
+                        int repeats, std::vector<at::Tensor>& all_parameters, bool chained_activations) {
   ModelProfile model;
   model.batch = sample[0].size(0);
   pipeline::Tensors current = sample;
@@ -157,7 +158,7 @@ ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, co
     for (const auto& output : outputs) current.push_back(output.detach());
     built.push_back(std::move(layer));
   }
-  if (counting_cpu_allocations()) {
+  if (chained_activations && counting_cpu_allocations()) {
     // One forward through the layers chained, as the model runs them: what each leaves alive beyond the tensors
     // before it. Its input is the previous layer's output, which stays only if one of the two saved it.
     pipeline::Tensors chain = sample;
@@ -185,12 +186,13 @@ ModelProfile profile_layers(const std::vector<pipeline::LayerFactory>& factories
   TORCH_CHECK(!sample.empty() && sample[0].dim() > 0, "plan: the sample needs a batch dimension");
   TORCH_CHECK(repeats > 0, "plan: repeats must be positive");
   std::vector<at::Tensor> all_parameters, unused;
-  ModelProfile model = profile_at(factories, sample, repeats, all_parameters);
+  ModelProfile model = profile_at(factories, sample, repeats, all_parameters, /*chained_activations=*/true);
   const int64_t small = model.batch / 8;
   if (small >= 1) {
     pipeline::Tensors fewer;
     for (const auto& tensor : sample) fewer.push_back(tensor.narrow(0, 0, small));
-    const ModelProfile few = profile_at(factories, fewer, repeats, unused);
+    // Its times only: their part that does not shrink with the samples.
+    const ModelProfile few = profile_at(factories, fewer, repeats, unused, /*chained_activations=*/false);
     for (size_t i = 0; i < model.layers.size(); ++i) {
       auto& layer = model.layers[i];
       const auto& at_small = few.layers[i];
