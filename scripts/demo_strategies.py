@@ -1,11 +1,15 @@
 """The demo's second half: plan the digits models, then train them with every strategy under torchrun (C++ and
-Python) and end with one table: strategy, samples/s measured and predicted, held-out accuracy, memory per rank.
+Python) and end with one table: strategy, step time and peak tensor memory per rank, each predicted and measured
+with the prediction's error, and the held-out accuracy.
 
     python3 scripts/demo_strategies.py          # scripts/demo.sh runs it; needs the build and data/digits.pt
 
-Each row is an example program as a user launches it (examples/); its training time is what the program
-prints, so samples/s includes its data handling. The prediction is the planner's (python -m torchpar.plan)
-for the same model, batch, ranks and configuration.
+Each row is an example program as a user launches it (examples/). Both sides count the same things: the step time
+is the mean of the program's training steps alone (forward, backward, the strategy's communication and the
+optimizer step; the data handling around them aside), as the planner predicts a step; the memory is the fullest
+rank's peak of CPU tensor memory while it trains, by the allocator's count (torchpar.allocator.TensorPeak; the data
+loaded before aside), as the planner predicts a rank's tensors. The prediction is the planner's (python -m
+torchpar.plan, without --verify's calibration) for the same model, batch, ranks and configuration.
 """
 from __future__ import annotations
 
@@ -18,19 +22,17 @@ import subprocess
 import sys
 import tempfile
 
-import torch
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DATA = ROOT / "data" / "digits.pt"
 BUILD = ROOT / "build" / "examples" / "cpp"
 PYTHON = ROOT / "examples" / "python"
 # The examples' defaults: 20 epochs, 32 samples per rank or worker (DDP, parameter server); 64 per step,
-# 4 micro-batches, 1F1B (pipeline; C++ 30 epochs, Python 10).
+# 4 micro-batches, 1F1B (pipeline; C++ 30 epochs of a 5-layer MLP, Python 10 of an 8-layer one).
 RUNS = [
     # label, language, ranks, command after torchrun's options, planned model, global batch, planned configuration
-    ("DDP", "C++", 2, ["--no-python", BUILD / "train_ddp"], "digits_mlp", 64, "ddp, 2 replicas"),
+    # (TORCHPAR_BACKEND=shm: as a Python DDP on Gloo gets an shm group beside it, which the planner predicts.)
+    ("DDP (shm)", "C++", 2, ["--no-python", BUILD / "train_ddp"], "digits_mlp", 64, "ddp, 2 replicas"),
     ("DDP (shm)", "Python", 2, [PYTHON / "train_ddp.py", "--backend", "shm"], "digits_mlp", 64, "ddp, 2 replicas"),
-    ("pipeline", "C++", 2, ["--no-python", BUILD / "train_pipeline"], "digits_deep_mlp", 64,
+    ("pipeline", "C++", 2, ["--no-python", BUILD / "train_pipeline"], "digits_cpp_deep_mlp", 64,
      "pipeline 1f1b, 2 stages, 4 micro-batches"),
     ("pipeline", "Python", 2, [PYTHON / "train_pipeline.py"], "digits_deep_mlp", 64,
      "pipeline 1f1b, 2 stages, 4 micro-batches"),
@@ -42,14 +44,16 @@ RUNS = [
     ("ZeRO-3", "C++", 4, ["--no-python", BUILD / "train_sharded", "--stage", "3", "--memory-per-rank", "48MiB"],
      "digits_wide_mlp", 128, "sharded zero-3, 4 replicas"),
 ]
-EPOCHS = re.compile(r"(\d+) epochs(?: on \d+ ranks)? in ([\d.]+) s")
-PS_STEPS = re.compile(r"(\d+) steps of (\d+) workers, \w+, in ([\d.]+) s")
+STEP_MS = re.compile(r"([\d.]+) ms per step")
+PEAK_KIB = re.compile(r"peak tensor memory ([\d.]+) KiB on the fullest rank")
+PEAK_MIB = re.compile(r"peak allocated ([\d.]+) MiB per rank")  # train_sharded's, beside its cap
 ACCURACY = re.compile(r"test accuracy ([\d.]+)%")
 
 
-def torchrun(ranks: int, arguments: list) -> str:
+def torchrun(ranks: int, arguments: list, backend: str) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", *map(str, arguments)]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "TORCHPAR_BACKEND": backend})
     output = result.stdout + result.stderr
     if result.returncode != 0:
         sys.exit(f"demo: {' '.join(map(str, arguments))} failed:\n{output[-3000:]}")
@@ -61,42 +65,52 @@ def planned(model: str, batch: int, ranks: int, backend: str, folder: pathlib.Pa
     """The planner's predictions for every configuration of `model` on `ranks` ranks, by description (without
     a calibration an earlier --verify may have left)."""
     out = folder / f"{model}-{ranks}-{backend}"
-    subprocess.run([sys.executable, "-m", "torchpar.plan", "--model", f"torchpar.plan.examples:{model}", "--batch",
-                    str(batch), "--world", str(ranks), "--backend", backend, "--out", str(out)], check=True,
-                   capture_output=True, cwd=ROOT,
-                   env={**os.environ, "TORCHPAR_PLAN_CALIBRATION": str(folder / "none.json")})
+    result = subprocess.run(
+        [sys.executable, "-m", "torchpar.plan", "--model", f"torchpar.plan.examples:{model}", "--batch", str(batch),
+         "--world", str(ranks), "--backend", backend, "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "TORCHPAR_PLAN_CALIBRATION": str(folder / "none.json")})
+    if result.returncode != 0:
+        sys.exit(f"demo: planning {model} on {ranks} ranks failed:\n{(result.stdout + result.stderr)[-3000:]}")
     report = json.loads((out / "plan.json").read_text())
     return {p["configuration"]: p for p in report["ranked"]}
 
 
+def measured_peak(output: str) -> float:
+    """The fullest rank's peak tensor memory the program printed, in bytes."""
+    if (kib := PEAK_KIB.search(output)) is not None:
+        return float(kib[1]) * 1024
+    return float(PEAK_MIB.search(output)[1]) * 2**20
+
+
+def error(predicted: float | None, measured: float) -> str:
+    """Signed, against the measurement: + predicted more."""
+    return f"{100 * (predicted - measured) / measured:+.0f}%" if predicted else "-"
+
+
 def main() -> int:
-    train_samples = len(torch.load(DATA)["train_x"])
     rows = []
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory() as folder:
         for label, language, ranks, arguments, model, batch, configuration in tqdm(RUNS, desc="strategies",
                                                                                    unit="run"):
-            backend = "shm" if "shm" in arguments else "gloo"
-            prediction = planned(model, batch, ranks, backend, pathlib.Path(folder)).get(configuration)
-            output = torchrun(ranks, arguments)
-            if (steps := PS_STEPS.search(output)) is not None:
-                samples, seconds = int(steps[1]) * int(steps[2]) * 32, float(steps[3])
-            else:
-                epochs = EPOCHS.search(output)
-                samples, seconds = int(epochs[1]) * train_samples // batch * batch, float(epochs[2])
-            rows.append((label, language, ranks, samples / seconds,
-                         prediction["samples_per_second"] if prediction else None,
-                         float(ACCURACY.search(output)[1]), prediction["memory_per_rank"] if prediction else None))
-    print("\n| strategy | language | ranks | samples/s | predicted | held-out accuracy | memory per rank (predicted) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for label, language, ranks, measured, predicted, accuracy, memory in rows:
-        predicted_text = f"{predicted:.0f}" if predicted else "-"
-        memory_text = f"{memory / 1024:.0f} KiB" if memory else "-"
-        print(f"| {label} | {language} | {ranks} | {measured:.0f} | {predicted_text} | {accuracy:.1f}% "
-              f"| {memory_text} |")
-    print("\nsamples/s measured from each program's own training time (its data handling included); predicted: "
-          "python -m torchpar.plan for the same model, batch and configuration, without --verify's calibration.")
+            backend = "shm" if "shm" in arguments or label.endswith("(shm)") else "gloo"
+            prediction = planned(model, batch, ranks, backend, pathlib.Path(folder)).get(configuration) or {}
+            output = torchrun(ranks, arguments, backend)
+            rows.append((label, language, ranks, prediction.get("step_ms"), float(STEP_MS.search(output)[1]),
+                         prediction.get("tensor_memory_per_rank"), measured_peak(output),
+                         float(ACCURACY.search(output)[1])))
+    print("\n| strategy | language | ranks | step ms predicted | measured | error | tensors per rank predicted "
+          "| measured | error | held-out accuracy |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, language, ranks, step_predicted, step, memory_predicted, memory, accuracy in rows:
+        step_text = f"{step_predicted:.2f}" if step_predicted else "-"
+        memory_text = f"{memory_predicted / 1024:.0f} KiB" if memory_predicted else "-"
+        print(f"| {label} | {language} | {ranks} | {step_text} | {step:.2f} | {error(step_predicted, step)} "
+              f"| {memory_text} | {memory / 1024:.0f} KiB | {error(memory_predicted, memory)} | {accuracy:.1f}% |")
+    print("\nmeasured: each program's mean training step (the data handling around it aside) and its fullest rank's "
+          "peak of CPU tensor memory while it trains (the data aside); predicted: python -m torchpar.plan for the "
+          "same model, batch and configuration, without --verify's calibration.")
     return 0
 
 

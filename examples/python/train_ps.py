@@ -95,8 +95,10 @@ def test_accuracy(net: nn.Module, x: torch.Tensor, y: torch.Tensor, worker: int,
     return int(counts[0]), int(counts[1])
 
 
-def train(args: argparse.Namespace, service: torchpar.ps.ParameterService, data: dict) -> float:
-    """A worker's part: trains, then returns the held-out accuracy (the same on every worker)."""
+def train(args: argparse.Namespace, service: torchpar.ps.ParameterService, data: dict,
+          tensor_peak: torchpar.allocator.TensorPeak) -> float:
+    """A worker's part: trains (its peak memory in `tensor_peak`), then returns the held-out accuracy (the same on
+    every worker)."""
     worker, workers = service.worker_index, service.num_workers
     train_x, train_y = data["train_x"], data["train_y"]
     torch.manual_seed(args.seed)
@@ -124,19 +126,24 @@ def train(args: argparse.Namespace, service: torchpar.ps.ParameterService, data:
     start = time.perf_counter()
     progress = tqdm(total=total, initial=min(done, total), desc="train", unit="step", disable=worker != 0)
     net.train()
-    step = 0
+    step, trained, step_seconds = 0, 0, 0.0  # the steps alone, the data handling aside
     for epoch in range(args.epochs):
         for indices in shard_batches(len(train_x), worker, workers, args.batch_size, epoch, args.seed):
             step += 1
             if step <= done:
                 continue  # in the checkpoint already
-            loss = loss_fn(net(train_x[indices]), train_y[indices])
+            x, y = train_x[indices], train_y[indices]
+            step_start = time.perf_counter()
+            loss = loss_fn(net(x), y)
             loss.backward()  # each parameter's gradient is pushed as soon as backward has it
             params.step()  # waits for the servers' new values and writes them into net
+            step_seconds += time.perf_counter() - step_start
+            trained += 1
             progress.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", refresh=False)
             progress.update()
     progress.close()
     seconds = time.perf_counter() - start
+    tensor_peak.stop()
 
     # Once every worker is done the servers hold the final values (under SSP/ASP a worker's last reply
     # may predate the others' last pushes): pull them, then score.
@@ -145,9 +152,9 @@ def train(args: argparse.Namespace, service: torchpar.ps.ParameterService, data:
     correct, count = test_accuracy(net, data["test_x"], data["test_y"], worker, workers, service.worker_group)
     accuracy = correct / count
     if worker == 0:
-        trained = max(0, total - done)
-        logger.info("test accuracy %.1f%% (%d of %d held-out digits; %d steps of %d workers, %s, in %.1f s)",
-                    100 * accuracy, correct, count, trained, workers, consistency, seconds)
+        logger.info("test accuracy %.1f%% (%d of %d held-out digits; %d steps of %d workers, %s, in %.1f s, %.2f ms "
+                    "per step)", 100 * accuracy, correct, count, max(0, total - done), workers, consistency, seconds,
+                    1e3 * step_seconds / max(1, trained))
     params.remove()
     return accuracy
 
@@ -181,19 +188,25 @@ def main() -> int:
                         format="%(message)s")
 
     accuracy = torch.tensor([-1.0], dtype=torch.float64)  # servers offer -1 to the maximum below
+    data = None if service.is_server else torch.load(args.data)
+    tensor_peak = torchpar.allocator.TensorPeak()  # what a server or a worker holds, the data aside
     if service.is_server:
         summary = service.serve()  # until every worker has finished
+        tensor_peak.stop()
         logger.info("server %d of %d (rank %d): %d requests, %.1f MB in, %.1f MB out, staleness at most %d, "
                     "lost workers %s; %s", service.server_index, service.num_servers, rank, summary["requests"],
                     summary["bytes_in"] / 1e6, summary["bytes_out"] / 1e6, summary["max_staleness"],
                     summary["lost_workers"] or "none",
                     ", ".join(f"{t['name']} {t['bytes']} bytes" for t in summary["tables"]))
     else:
-        accuracy.fill_(train(args, service, torch.load(args.data)))
+        accuracy.fill_(train(args, service, data, tensor_peak))
         service.finish()
     # Every rank learns the result, so the exit codes agree.
     dist.all_reduce(accuracy, op=dist.ReduceOp.MAX)
     accuracy = float(accuracy)
+    peak = tensor_peak.fullest_rank()
+    if rank == 0:
+        logger.info("peak tensor memory %.1f KiB on the fullest rank", peak / 1024)
     if accuracy < TARGET_ACCURACY and rank == 0:
         logger.error("below the %.0f%% this example should reach", 100 * TARGET_ACCURACY)
     # The service holds process groups (its own Gloo group and the workers'): close it before the default

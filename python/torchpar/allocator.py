@@ -76,3 +76,37 @@ def cpu_max_memory_reserved() -> int:
 def reset_cpu_peak_memory() -> None:
     """The peaks (allocated and reserved) set to what is allocated and reserved now."""
     _C.memory.reset_cpu_allocation_peak()
+
+
+class TensorPeak:
+    """The most CPU tensor memory this process allocates from its creation on, beyond what it held then: what
+    torchpar's planner predicts per rank (``tensor_memory_per_rank``), the data loaded before aside. Starts
+    counting allocations (:func:`count_cpu_allocations`) and resets the peak.
+
+        peak = torchpar.allocator.TensorPeak()   # after loading the data
+        ...                                      # train
+        peak.stop()                              # before scoring the held-out set
+        fullest = peak.fullest_rank()            # every rank calls it
+    """
+
+    def __init__(self):
+        count_cpu_allocations()
+        self._held = cpu_memory_allocated()
+        self._stopped = None
+        reset_cpu_peak_memory()
+
+    def stop(self) -> None:
+        """What follows is not counted."""
+        self._stopped = self.bytes()
+
+    def bytes(self) -> int:
+        return self._stopped if self._stopped is not None else cpu_max_memory_allocated() - self._held
+
+    def fullest_rank(self, group=None) -> int:
+        """The largest rank's :meth:`bytes` over `group` (the default group if None); every rank calls it."""
+        import torch
+        import torch.distributed as dist
+
+        peak = torch.tensor([self.bytes()], dtype=torch.int64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        return int(peak)

@@ -47,6 +47,7 @@ std::string roles(const plan::ModelProfile& model, const std::vector<int64_t>& b
     words += role == plan::TensorRole::Column ? "column"
              : role == plan::TensorRole::Row  ? "row"
              : role == plan::TensorRole::ColumnGathered ? "gathered"
+             : role == plan::TensorRole::Elementwise    ? "elementwise"
                                                         : "whole";
   }
   return words;
@@ -439,6 +440,16 @@ TEST_CASE("plan: tensor parallelism splits Linear layers in column-row pairs and
   CHECK(plan::predict(model, net, batch_of(8), tensor).step_ms == Approx(4 + 4 + 2));
   model.layers[2].in_features = model.layers[2].out_features = 0;
   CHECK(roles(model) == "whole gathered whole");
+  // An activation between two Linear layers runs on the split at half its time, with no collective; a cut after
+  // it leaves the first Linear alone, gathered.
+  auto with_activation = model;
+  with_activation.layers[0].in_features = with_activation.layers[0].out_features = 64;
+  with_activation.layers[1].in_features = with_activation.layers[1].out_features = 0;
+  with_activation.layers[1].elementwise = true;
+  with_activation.layers[2].in_features = with_activation.layers[2].out_features = 64;
+  CHECK(roles(with_activation) == "column elementwise row");
+  CHECK(plan::predict(with_activation, net, batch_of(8), tensor).step_ms == Approx(2 + 2 + 2 + 1));
+  CHECK(roles(with_activation, {2, 1}) == "gathered whole gathered");
   // 2 replicas of 2-rank groups: the replica's 4 samples, and the rank's parameters averaged.
   tensor.world = 4;
   tensor.replicas = 2;

@@ -28,11 +28,27 @@ def accuracy_in(output: str) -> float:
     return float(match[1])
 
 
+# The digits MLP 64-128-10 trained with SGD and momentum: 9,610 parameters, each held three times (value, gradient,
+# momentum) by every DDP rank, beside a batch's activations and DDP's buckets.
+MLP_STATE_KIB = 3 * 9610 * 4 / 1024
+
+
+def check_step_and_peak(output: str) -> None:
+    """The example reports its mean step and its fullest rank's peak tensor memory (what the demo's table
+    compares with the planner's), and the peak holds at least the model's state, not the data loaded before."""
+    step = re.search(r"([\d.]+) ms per step", output)
+    peak = re.search(r"peak tensor memory ([\d.]+) KiB on the fullest rank", output)
+    assert step and peak, output
+    assert float(step[1]) > 0
+    assert MLP_STATE_KIB <= float(peak[1]) < 4 * MLP_STATE_KIB + 256, output
+
+
 def test_cpp_train_ddp_reaches_95_percent(build_dir, digits, free_port):
     binary = build_dir / "examples" / "cpp" / "train_ddp"
     result = torchrun("--nproc-per-node=2", f"--master-port={free_port}", "--no-python", binary, "--data", digits)
     assert result.returncode == 0, result.stdout + result.stderr
     assert accuracy_in(result.stdout) >= 95.0
+    check_step_and_peak(result.stdout)
 
 
 @pytest.mark.parametrize("backend,hook", [("shm", "none"), ("gloo", "powersgd")])
@@ -42,6 +58,7 @@ def test_python_train_ddp_reaches_95_percent(digits, free_port, backend, hook):
                       "--backend", backend, "--comm-hook", hook)
     assert result.returncode == 0, result.stdout + result.stderr
     assert accuracy_in(result.stdout + result.stderr) >= 95.0
+    check_step_and_peak(result.stdout + result.stderr)
 
 
 PIPELINE_RESULT = re.compile(r"train_pipeline: (\d+) ranks, (\d+) stages.*test accuracy (\d+\.\d)%")

@@ -162,16 +162,25 @@ void bind_pipeline(py::module_& module) {
   pipeline.def("balanced_partition", &pp::balanced_partition, py::arg("costs"), py::arg("stages"));
   pipeline.def("describe_partition", &pp::describe_partition, py::arg("balance"), py::arg("costs"), py::arg("unit"));
 
+  py::class_<pp::LayerTraits>(pipeline, "LayerTraits")
+      .def(py::init<>())
+      .def_readwrite("split_in_features", &pp::LayerTraits::split_in_features)
+      .def_readwrite("split_out_features", &pp::LayerTraits::split_out_features)
+      .def_readwrite("elementwise", &pp::LayerTraits::elementwise)
+      .def_readwrite("embedding_bytes", &pp::LayerTraits::embedding_bytes)
+      .def_readwrite("embedding_row_bytes", &pp::LayerTraits::embedding_row_bytes);
+
   py::class_<pp::Layer>(pipeline, "Layer")
       .def(py::init([](std::string name, std::function<pp::Tensors(const pp::Tensors&)> forward,
                        pp::Tensors parameters, std::vector<std::string> parameter_names) {
-             return pp::Layer{std::move(name), std::move(forward), std::move(parameters), std::move(parameter_names)};
+             return pp::Layer{std::move(name), std::move(forward), std::move(parameters), std::move(parameter_names), {}};
            }),
            py::arg("name"), py::arg("forward"), py::arg("parameters"),
            py::arg("parameter_names") = std::vector<std::string>{})
       .def_readonly("name", &pp::Layer::name)
       .def_readonly("parameters", &pp::Layer::parameters)
       .def_readonly("parameter_names", &pp::Layer::parameter_names)
+      .def_readwrite("traits", &pp::Layer::traits)
       .def("__call__", [](const pp::Layer& layer, const pp::Tensors& inputs) { return layer.forward(inputs); },
            py::arg("inputs"));
   pipeline.def(

@@ -35,6 +35,7 @@ void bind_plan(py::module_& module) {
       .def_readwrite("sparse_bytes_per_sample", &plan::LayerProfile::sparse_bytes_per_sample)
       .def_readwrite("in_features", &plan::LayerProfile::in_features)
       .def_readwrite("out_features", &plan::LayerProfile::out_features)
+      .def_readwrite("elementwise", &plan::LayerProfile::elementwise)
       .def_readwrite("backward_temporary_bytes", &plan::LayerProfile::backward_temporary_bytes);
   py::class_<plan::ModelProfile>(m, "ModelProfile")
       .def(py::init<>())
@@ -180,13 +181,14 @@ void bind_plan(py::module_& module) {
             case plan::TensorRole::Column: names.emplace_back("column"); break;
             case plan::TensorRole::ColumnGathered: names.emplace_back("column_gathered"); break;
             case plan::TensorRole::Row: names.emplace_back("row"); break;
+            case plan::TensorRole::Elementwise: names.emplace_back("elementwise"); break;
           }
         }
         return names;
       },
       py::arg("model"), py::arg("balance") = std::vector<int64_t>(),
       "Each layer's part under tensor parallelism (within each stage of the pipeline cut `balance`, layers per "
-      "stage, if given): whole, column, column_gathered or row.");
+      "stage, if given): whole, column, column_gathered, row or elementwise (between a column and a row).");
   m.def(
       "profile_layers",
       [](const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample, int repeats,

@@ -41,6 +41,8 @@ struct LayerProfile {
   // its features, 0 for any other layer.
   int64_t in_features = 0;
   int64_t out_features = 0;
+  // Acts on each element alone (an activation between two Linear layers): tensor parallelism runs it on the split.
+  bool elementwise = false;
   // What its backward allocates at its peak beyond the gradients it leaves (at ModelProfile::batch samples;
   // measured where the CPU allocations are counted, else 0).
   int64_t backward_temporary_bytes = 0;
@@ -146,9 +148,10 @@ enum class Strategy { DataParallel, Pipeline, ParameterServer, TensorParallel, S
 
 // How tensor parallelism splits each layer, Megatron-style: two splittable layers in a row become a
 // column-parallel one (output features split, kept split) and a row-parallel one (input features
-// split, outputs summed over the group); one alone becomes column-parallel with its output gathered;
-// any other layer runs whole on every rank of the group.
-enum class TensorRole { Whole, Column, ColumnGathered, Row };
+// split, outputs summed over the group), with the elementwise layers between them run on the split
+// (Elementwise); one alone becomes column-parallel with its output gathered; any other layer runs whole
+// on every rank of the group.
+enum class TensorRole { Whole, Column, ColumnGathered, Row, Elementwise };
 
 struct Configuration {
   Strategy strategy = Strategy::DataParallel;

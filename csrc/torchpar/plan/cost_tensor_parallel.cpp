@@ -10,9 +10,13 @@ std::vector<TensorRole> tensor_parallel_roles(const ModelProfile& model) {
   std::vector<TensorRole> roles(model.layers.size(), TensorRole::Whole);
   for (size_t i = 0; i < roles.size(); ++i) {
     if (model.layers[i].out_features <= 0) continue;
-    if (i + 1 < roles.size() && model.layers[i + 1].in_features > 0) {
+    size_t next = i + 1;
+    while (next < roles.size() && model.layers[next].elementwise) ++next;
+    if (next < roles.size() && model.layers[next].in_features > 0) {
       roles[i] = TensorRole::Column;
-      roles[++i] = TensorRole::Row;
+      for (size_t between = i + 1; between < next; ++between) roles[between] = TensorRole::Elementwise;
+      roles[next] = TensorRole::Row;
+      i = next;
     } else {
       roles[i] = TensorRole::ColumnGathered;
     }

@@ -84,6 +84,18 @@ double mean_without_stalls_ms(int repeats, const std::function<void()>& run) {
   return sum / static_cast<double>(samples.size());
 }
 
+// The first layer's embedding tables as a parameter server would hold them: the rows its integer inputs (the
+// model's) look up per sample. None without integer inputs.
+void set_sparse_tables(const pipeline::LayerTraits& traits, const pipeline::Tensors& sample, LayerProfile& profile) {
+  int64_t ids = 0;
+  for (const auto& tensor : sample) {
+    if (!c10::isFloatingType(tensor.scalar_type()) && tensor.dim() > 0) ids += tensor.numel();
+  }
+  if (ids == 0 || traits.embedding_bytes == 0) return;
+  profile.sparse_parameter_bytes = traits.embedding_bytes;
+  profile.sparse_bytes_per_sample = ids / sample[0].size(0) * traits.embedding_row_bytes;
+}
+
 // One pass of profiling at the sample's batch; `all_parameters` collects the layers' parameters. With
 // `chained_activations` (and CPU allocations counted), each layer's activations are measured on the layers chained.
 ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample,
@@ -103,6 +115,10 @@ ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, co
     LayerProfile profile;
     profile.name = layer.name;
     for (const auto& parameter : layer.parameters) profile.parameter_bytes += static_cast<int64_t>(parameter.nbytes());
+    profile.in_features = layer.traits.split_in_features;
+    profile.out_features = layer.traits.split_out_features;
+    profile.elementwise = layer.traits.elementwise;
+    if (index == 0) set_sparse_tables(layer.traits, sample, profile);
     pipeline::Tensors outputs;
     profile.forward_ms = median_ms(repeats, [&] { outputs = layer.forward(inputs); });
     pipeline::Tensors seeds;

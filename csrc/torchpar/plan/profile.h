@@ -13,9 +13,11 @@ namespace torchpar::plan {
 // Builds one layer at a time (as the pipeline would), feeds it the previous layer's output starting
 // from `sample` (a batch of sample.size(0) samples), and takes the median of `repeats` runs of: the
 // forward, the backward of the input gradient alone, and the whole backward (the weight part is the
-// difference). Activation bytes are estimated as the layer's input and output bytes (what Linear, ReLU
-// and most layers keep for backward). Also measures the optimizer per parameter byte into `setup` when
-// given: Adam if its optimizer_state_factor is 2 or more, else SGD with momentum.
+// difference). Activation bytes as LayerProfile::activation_bytes says. What a layer allows comes from its
+// traits (pipeline::LayerTraits: the Linear layers a tensor group splits, the elementwise layers between them,
+// and the first layer's embedding tables, looked up by the sample's integer tensors, as sparse rows). Also
+// measures the optimizer per parameter byte into `setup` when given: Adam if its optimizer_state_factor is 2
+// or more, else SGD with momentum.
 ModelProfile profile_layers(const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample,
                             int repeats = 5, TrainingSetup* setup = nullptr);
 

@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 
 from torchpar._C import plan as _engine
+from torchpar._C import pipeline as _pipeline_engine
 from torchpar.same_host import shm_group_beside
 from torchpar.plan.calibration import Calibration, default_calibration, learn as learn_calibration, load_calibration
-from torchpar.plan.embeddings import sparse_tables
+from torchpar.plan.embeddings import sparse_able
 from torchpar.plan.model import OPTIMIZER_STATE, Model, load_model
-from torchpar.plan.tensor_split import splittable_linear
+from torchpar.plan.tensor_split import elementwise, splittable_linear
 
 __all__ = ["Calibration", "Configuration", "Model", "NetworkProfile", "Strategy", "calibration_sample",
            "default_calibration", "learn_calibration", "load_calibration", "load_model", "measure_heap_retention",
@@ -40,13 +41,35 @@ NetworkProfile = _engine.NetworkProfile
 Strategy = _engine.Strategy
 
 
+def _layer_traits(module: torch.nn.Module):
+    """What the engine's planner can do with the layer (C++ ``layer_from_module`` finds the same in LibTorch
+    modules): the Linear a tensor group can split, whether it acts element by element, the embedding tables a
+    parameter server can hold as rows."""
+    traits = _pipeline_engine.LayerTraits()
+    linear = splittable_linear(module)
+    if linear is not None:
+        traits.split_in_features, traits.split_out_features = linear.in_features, linear.out_features
+    traits.elementwise = elementwise(module)
+    tables = [m for m in module.modules() if sparse_able(m)]
+    if tables:
+        traits.embedding_bytes = sum(m.weight.nbytes for m in tables)
+        traits.embedding_row_bytes = max(m.weight[0].nbytes for m in tables)
+    return traits
+
+
 def _engine_model(model: Model, batch: int):
-    """The model as the C++ engine takes it: a factory of a fresh pipeline layer per layer, and a batch of inputs."""
+    """The model as the C++ engine takes it: a factory of a fresh pipeline layer per layer, with its traits, and a
+    batch of inputs."""
     from torchpar.pipeline import _as_tensors, _layer
 
+    def build(index: int):
+        module = copy.deepcopy(model.build(index))
+        layer = _layer(str(index), module)
+        layer.traits = _layer_traits(module)
+        return layer
+
     inputs, _ = model.sample(batch)
-    factories = [lambda i=i: _layer(str(i), copy.deepcopy(model.build(i))) for i in range(len(model.layers))]
-    return factories, _as_tensors(inputs)
+    return [lambda i=i: build(i) for i in range(len(model.layers))], _as_tensors(inputs)
 
 
 def profile(model: Model, batch: int, repeats: int = 5):
@@ -56,17 +79,7 @@ def profile(model: Model, batch: int, repeats: int = 5):
     split, and the optimizer's time per parameter byte: (ModelProfile, ms per byte). The heap's retention in the
     model's training is :func:`measure_heap_retention`'s, set apart (the planner's probes profile too)."""
     factories, inputs = _engine_model(model, batch)
-    model_profile, optimizer_ms_per_byte = _engine.profile_layers(factories, inputs, repeats,
-                                                                  OPTIMIZER_STATE[model.optimizer])
-    built = [model.build(i) for i in range(len(model.layers))]
-    layers = model_profile.layers  # a copy: pybind hands the vector out by value
-    layers[0].sparse_parameter_bytes, layers[0].sparse_bytes_per_sample = sparse_tables(built[0], inputs)
-    for layer, module in zip(layers, built):
-        linear = splittable_linear(module)
-        if linear is not None:
-            layer.in_features, layer.out_features = linear.in_features, linear.out_features
-    model_profile.layers = layers
-    return model_profile, optimizer_ms_per_byte
+    return _engine.profile_layers(factories, inputs, repeats, OPTIMIZER_STATE[model.optimizer])
 
 
 _RETENTION_STEPS = 20

@@ -34,7 +34,7 @@ KEPT_SAMPLES = 60  # the most recent per key: the machine may change under it
 _LAYER_FIELDS = ("name", "forward_ms", "backward_input_ms", "backward_weight_ms", "forward_overhead_ms",
                  "backward_input_overhead_ms", "backward_weight_overhead_ms", "parameter_bytes", "activation_bytes",
                  "input_bytes", "output_bytes", "sparse_parameter_bytes", "sparse_bytes_per_sample", "in_features",
-                 "out_features")
+                 "out_features", "elementwise")
 _CONFIGURATION_FIELDS = ("world", "replicas", "tensor", "schedule", "microbatches", "virtual_stages", "balance",
                          "servers", "synchronous", "zero_stage")
 
@@ -159,6 +159,7 @@ def sample_from_json(fields: dict):
         layer = _engine.LayerProfile()
         # Samples kept before input_bytes existed counted a layer's activations as its input plus its output.
         values.setdefault("input_bytes", values["activation_bytes"] - values["output_bytes"])
+        values.setdefault("elementwise", False)  # samples kept before tensor parallelism ran activations split
         for name in _LAYER_FIELDS:
             setattr(layer, name, values[name])
         layers.append(layer)

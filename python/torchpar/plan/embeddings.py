@@ -1,5 +1,5 @@
-"""Embedding tables a parameter server can hold as sparse rows: found in a model's first layer (fed the
-model's integer inputs) for the cost model, and swapped for ``torchpar.ps.Embedding`` when ``--verify`` runs
+"""Embedding tables a parameter server can hold as sparse rows: found in a model's layers for the cost model
+(``torchpar.plan``'s layer traits; the engine counts the first layer's, fed the model's integer inputs), and swapped for ``torchpar.ps.Embedding`` when ``--verify`` runs
 the parameter server."""
 from __future__ import annotations
 
@@ -17,21 +17,10 @@ if TYPE_CHECKING:
 _BAG_REDUCTIONS = {"mean": torch.mean, "sum": torch.sum}
 
 
-def _sparse_able(module: nn.Module) -> bool:
+def sparse_able(module: nn.Module) -> bool:
+    """An embedding a parameter server can hold as sparse rows (a bag only under a mean or a sum)."""
     return isinstance(module, nn.Embedding) or (isinstance(module, nn.EmbeddingBag) and
                                                 module.mode in _BAG_REDUCTIONS)
-
-
-def sparse_tables(first_layer: nn.Module, inputs: list[torch.Tensor]) -> tuple[int, int]:
-    """(table bytes, bytes of rows one sample touches) of the embeddings in `first_layer`, whose ids are the
-    integer tensors among `inputs` (a batch); (0, 0) when there are none."""
-    ids = [t for t in inputs if not t.is_floating_point() and t.dim() > 0]
-    tables = [m for m in first_layer.modules() if _sparse_able(m)]
-    if not ids or not tables:
-        return 0, 0
-    ids_per_sample = sum(t.numel() for t in ids) // ids[0].size(0)
-    row_bytes = max(m.weight[0].nbytes for m in tables)
-    return sum(m.weight.nbytes for m in tables), ids_per_sample * row_bytes
 
 
 class _RemoteBag(nn.Module):
@@ -47,7 +36,7 @@ class _RemoteBag(nn.Module):
 
 def with_remote_embeddings(layer: nn.Module, client, optimizer, prefix: str) -> nn.Module:
     """`layer` with each of its embeddings replaced by a ``torchpar.ps.Embedding`` (table `prefix` + its name)."""
-    if _sparse_able(layer):
+    if sparse_able(layer):
         table = torchpar.ps.Embedding(client, prefix, layer.num_embeddings, layer.embedding_dim, optimizer)
         return table if isinstance(layer, nn.Embedding) else _RemoteBag(table, layer.mode)
     for name, child in list(layer.named_children()):
@@ -63,7 +52,7 @@ def build_with_remote_embeddings(model: "Model", index: int, client, optimizer, 
     spec = model.layers[index]
     if isinstance(spec, nn.Module):
         memo = {id(m.weight): nn.Parameter(m.weight.detach().to("meta"), requires_grad=m.weight.requires_grad)
-                for m in spec.modules() if _sparse_able(m)}
+                for m in spec.modules() if sparse_able(m)}
         layer = copy.deepcopy(spec, memo)
     else:
         with torch.device("meta"):

@@ -52,6 +52,11 @@ def digits_deep_mlp(depth: int = 8, hidden: int = 128) -> Model:
                  loss=nn.functional.cross_entropy)
 
 
+def digits_cpp_deep_mlp() -> Model:
+    """The C++ pipeline example's MLP (examples/cpp/train_pipeline): 64-128x4-10, five Linear layers."""
+    return digits_deep_mlp(depth=5)
+
+
 def digits_wide_mlp(hidden: int = 1024, layers: int = 6) -> Model:
     """The sharded example's MLP for 8x8 digits (examples/*/train_sharded): 64-`hidden`x`layers`-10, Adam; 5.3 M
     parameters at 6 hidden layers of 1024, whose DDP peak (103 MiB per rank on 4 ranks) outgrows a small memory cap."""

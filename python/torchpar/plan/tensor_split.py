@@ -1,5 +1,5 @@
 """Layers a tensor group can split (an ``nn.Linear``, alone or followed by elementwise activations in an
-``nn.Sequential``), and the same model rebuilt with them split, as the cost model's roles say
+``nn.Sequential``), the elementwise layers that can run on the split between two of them, and the same model rebuilt with them split, as the cost model's roles say
 (``torchpar._C.plan.tensor_parallel_roles``), for ``--verify``."""
 from __future__ import annotations
 
@@ -23,9 +23,17 @@ def splittable_linear(layer: nn.Module) -> Optional[nn.Linear]:
     return None
 
 
+def elementwise(layer: nn.Module) -> bool:
+    """The layer acts on each element alone (an activation, dropout, or a Sequential of those)."""
+    if isinstance(layer, nn.Sequential):
+        return len(layer) > 0 and all(isinstance(each, _ELEMENTWISE) for each in layer)
+    return isinstance(layer, _ELEMENTWISE)
+
+
 def split_layer(layer: nn.Module, role: str, group) -> nn.Module:
-    """A copy of `layer` in its role over the tensor group `group` (every rank of it calls this)."""
-    if role == "whole":
+    """A copy of `layer` in its role over the tensor group `group` (every rank of it calls this); an
+    "elementwise" layer runs unchanged on the split between a column and a row."""
+    if role in ("whole", "elementwise"):
         return copy.deepcopy(layer)
     linear = splittable_linear(layer)
     bias = linear.bias is not None
