@@ -52,7 +52,7 @@ TEST_CASE("plan profile: Linear layers, activations and the first layer's embedd
   CHECK((roles == std::vector<Role>{Role::Whole, Role::Column, Role::Elementwise, Role::Row, Role::ColumnGathered}));
 }
 
-TEST_CASE("plan profile: a Sequential of a Linear and activations splits; a max over rows gives no sparse rows") {
+TEST_CASE("plan profile: a Sequential of a Linear and activations splits, and a max over rows gives no sparse rows") {
   const auto bag = nn::EmbeddingBag(nn::EmbeddingBagOptions(100, 4).mode(torch::kMax));
   CHECK(pipeline::traits_of(*bag).embedding_bytes == 0);
   const auto table = nn::Embedding(100, 4);
