@@ -28,21 +28,24 @@ PYTHON = ROOT / "examples" / "python"
 # The examples' defaults: 20 epochs, 32 samples per rank or worker (DDP, parameter server); 64 per step,
 # 4 micro-batches, 1F1B (pipeline; C++ 30 epochs of a 5-layer MLP, Python 10 of an 8-layer one).
 RUNS = [
-    # label, language, ranks, command after torchrun's options, planned model, global batch, planned configuration
-    # (TORCHPAR_BACKEND=shm: as a Python DDP on Gloo gets an shm group beside it, which the planner predicts.)
-    ("DDP (shm)", "C++", 2, ["--no-python", BUILD / "train_ddp"], "digits_mlp", 64, "ddp, 2 replicas"),
-    ("DDP (shm)", "Python", 2, [PYTHON / "train_ddp.py", "--backend", "shm"], "digits_mlp", 64, "ddp, 2 replicas"),
-    ("pipeline", "C++", 2, ["--no-python", BUILD / "train_pipeline"], "digits_cpp_deep_mlp", 64,
+    # label, language, ranks, backend (TORCHPAR_BACKEND, which the examples follow, and the planner's --backend),
+    # command after torchrun's options, planned model, global batch, planned configuration
+    # (DDP on shm: as a Python DDP on Gloo gets an shm group beside it, which the planner predicts.)
+    ("DDP (shm)", "C++", 2, "shm", ["--no-python", BUILD / "train_ddp"], "digits_mlp", 64, "ddp, 2 replicas"),
+    ("DDP (shm)", "Python", 2, "shm", [PYTHON / "train_ddp.py"], "digits_mlp", 64, "ddp, 2 replicas"),
+    ("pipeline", "C++", 2, "gloo", ["--no-python", BUILD / "train_pipeline"], "digits_cpp_deep_mlp", 64,
      "pipeline 1f1b, 2 stages, 4 micro-batches"),
-    ("pipeline", "Python", 2, [PYTHON / "train_pipeline.py"], "digits_deep_mlp", 64,
+    ("pipeline", "Python", 2, "gloo", [PYTHON / "train_pipeline.py"], "digits_deep_mlp", 64,
      "pipeline 1f1b, 2 stages, 4 micro-batches"),
-    ("parameter server", "Python", 3, [PYTHON / "train_ps.py"], "digits_mlp", 64, "ps bsp, 2 workers + 1 server"),
-    ("pipeline x DDP", "Python", 4, [PYTHON / "train_pipeline.py", "--data-parallel", "2"], "digits_deep_mlp", 64,
-     "pipeline 1f1b, 2 stages x 2 replicas, 4 micro-batches"),
+    ("parameter server", "Python", 3, "gloo", [PYTHON / "train_ps.py"], "digits_mlp", 64,
+     "ps bsp, 2 workers + 1 server"),
+    ("pipeline x DDP", "Python", 4, "gloo", [PYTHON / "train_pipeline.py", "--data-parallel", "2"], "digits_deep_mlp",
+     64, "pipeline 1f1b, 2 stages x 2 replicas, 4 micro-batches"),
     # 6 epochs of 32 samples per rank; the 64-1024x6-10 MLP, Adam, its peak under a 48 MiB cap DDP's and ZeRO-2's
     # exceed.
-    ("ZeRO-3", "C++", 4, ["--no-python", BUILD / "train_sharded", "--stage", "3", "--memory-per-rank", "48MiB"],
-     "digits_wide_mlp", 128, "sharded zero-3, 4 replicas"),
+    ("ZeRO-3", "C++", 4, "gloo",
+     ["--no-python", BUILD / "train_sharded", "--stage", "3", "--memory-per-rank", "48MiB"], "digits_wide_mlp", 128,
+     "sharded zero-3, 4 replicas"),
 ]
 STEP_MS = re.compile(r"([\d.]+) ms per step")
 PEAK_KIB = re.compile(r"peak tensor memory ([\d.]+) KiB on the fullest rank")
@@ -92,9 +95,8 @@ def main() -> int:
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory() as folder:
-        for label, language, ranks, arguments, model, batch, configuration in tqdm(RUNS, desc="strategies",
-                                                                                   unit="run"):
-            backend = "shm" if "shm" in arguments or label.endswith("(shm)") else "gloo"
+        for label, language, ranks, backend, arguments, model, batch, configuration in tqdm(RUNS, desc="strategies",
+                                                                                            unit="run"):
             prediction = planned(model, batch, ranks, backend, pathlib.Path(folder)).get(configuration) or {}
             output = torchrun(ranks, arguments, backend)
             rows.append((label, language, ranks, prediction.get("step_ms"), float(STEP_MS.search(output)[1]),

@@ -141,7 +141,6 @@ int main(int argc, char** argv) {
   };
 
   int64_t step = 0;
-  int64_t trained = 0;
   double step_seconds = 0;  // the steps alone, the data handling aside
   const auto start = std::chrono::steady_clock::now();
   for (int epoch = 0; epoch < arguments.epochs; ++epoch) {
@@ -163,7 +162,6 @@ int main(int argc, char** argv) {
       loss.backward();
       optimizer.step();
       step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-      ++trained;
       loss_sum += loss.item<double>();
       ++batches;
       ++step;
@@ -191,7 +189,7 @@ int main(int argc, char** argv) {
     }
     std::cout << "train_ddp: " << world << " ranks (" << c10::utils::get_env("TORCHPAR_BACKEND").value_or("gloo")
               << "), " << arguments.epochs << " epochs in " << std::fixed << std::setprecision(2) << seconds
-              << " s, " << 1e3 * step_seconds / std::max<int64_t>(1, trained) << " ms per step, test accuracy "
+              << " s, " << 1e3 * step_seconds / std::max<int64_t>(1, total - done) << " ms per step, test accuracy "
               << std::setprecision(1) << 100 * accuracy << "%, peak tensor memory "
               << peak / 1024.0 << " KiB on the fullest rank" << std::endl;
   }

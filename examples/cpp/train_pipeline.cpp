@@ -216,7 +216,6 @@ int main(int argc, char** argv) {
   };
 
   int64_t step = 0;
-  int64_t steps_trained = 0;
   double step_seconds = 0;  // the steps alone, the data handling aside
   const auto start = std::chrono::steady_clock::now();
   for (int epoch = 0; epoch < arguments.epochs; ++epoch) {
@@ -237,7 +236,6 @@ int main(int argc, char** argv) {
       loss_sum += pipe.step(x, y).item<double>();
       optimizer.step();
       step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-      ++steps_trained;
       ++trained;
       if (checkpoints && (step % arguments.checkpoint_every == 0 || step == total)) {
         save(step);
@@ -267,7 +265,7 @@ int main(int argc, char** argv) {
     std::cout << "train_pipeline: " << world << " ranks, " << pipe.schedule().stages() << " stages, schedule "
               << arguments.schedule << ", " << arguments.microbatches << " micro-batches, " << arguments.epochs
               << " epochs in " << std::fixed << std::setprecision(2) << seconds << " s, "
-              << 1e3 * step_seconds / std::max<int64_t>(1, steps_trained) << " ms per step, test accuracy "
+              << 1e3 * step_seconds / std::max<int64_t>(1, total - done) << " ms per step, test accuracy "
               << std::setprecision(1) << 100 * value << "%, peak tensor memory " << peak / 1024.0
               << " KiB on the fullest rank" << std::endl;
   }

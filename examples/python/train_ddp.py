@@ -137,7 +137,7 @@ def main() -> int:
 
     start = time.perf_counter()
     progress = tqdm(total=total, initial=done, desc="train", unit="step", disable=rank != 0)
-    step, trained, step_seconds = 0, 0, 0.0  # the steps alone, the data handling aside
+    step, step_seconds = 0, 0.0  # the steps alone, the data handling aside
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a different shuffle every epoch, the same on every rank
         if step + len(loader) <= done:  # an epoch finished before the restart
@@ -156,7 +156,6 @@ def main() -> int:
             loss.backward()  # DDP all-reduces the gradients, bucket by bucket, during backward
             optimizer.step()
             step_seconds += time.perf_counter() - step_start
-            trained += 1
             step += 1
             if checkpoints is not None and (step % args.checkpoint_every == 0 or step == total):
                 checkpoints.save(step, {"model": net.state_dict(), "optimizer": optimizer.state_dict(),
@@ -165,13 +164,14 @@ def main() -> int:
             progress.update()
     progress.close()
     seconds = time.perf_counter() - start
+    step_ms = 1e3 * step_seconds / max(1, total - done)
     peak = tensor_peak.fullest_rank()
 
     correct, total = test_accuracy(net, data["test_x"], data["test_y"], rank, world)
     accuracy = correct / total
     logger.info("test accuracy %.1f%% (%d of %d held-out digits; %d epochs on %d ranks in %.2f s, %.2f ms per step, "
                 "peak tensor memory %.1f KiB on the fullest rank)", 100 * accuracy, correct, total, args.epochs, world,
-                seconds, 1e3 * step_seconds / max(1, trained), peak / 1024)
+                seconds, step_ms, peak / 1024)
     if accuracy < TARGET_ACCURACY and rank == 0:
         logger.error("below the %.0f%% this example should reach", 100 * TARGET_ACCURACY)
     dist.destroy_process_group()

@@ -177,7 +177,7 @@ def main() -> int:
     progress = tqdm(total=total, initial=done, desc="train", unit="step", disable=rank != 0)
     for module in pipe.stage_modules.values():
         module.train()
-    step, trained, step_seconds = 0, 0, 0.0  # the steps alone, the data handling aside
+    step, step_seconds = 0, 0.0  # the steps alone, the data handling aside
     for epoch in range(args.epochs):
         for indices in batches(len(train_x), args.batch_size, epoch, args.seed):
             step += 1
@@ -192,7 +192,6 @@ def main() -> int:
             optimizer.step()
             scheduler.step()
             step_seconds += time.perf_counter() - step_start
-            trained += 1
             if checkpoints is not None and (step % args.checkpoint_every == 0 or step == total):
                 checkpoints.save(step, {"pipeline": pipe.state_dict(), "optimizer": optimizer.state_dict(),
                                         "scheduler": scheduler.state_dict(), "rng": torchpar.checkpoint.rng_state()})
@@ -218,7 +217,7 @@ def main() -> int:
         hybrid = f" x {replicas} replicas" if replicas > 1 else ""
         print(f"train_pipeline: {world} ranks, {stages} stages{hybrid}, schedule {args.schedule}, "
               f"{args.microbatches} micro-batches, {args.epochs} epochs in {seconds:.2f} s, "
-              f"test accuracy {100 * accuracy:.1f}%, {1e3 * step_seconds / max(1, trained):.2f} ms per step, peak "
+              f"test accuracy {100 * accuracy:.1f}%, {1e3 * step_seconds / max(1, total - done):.2f} ms per step, peak "
               f"tensor memory {peak / 1024:.1f} KiB on the fullest rank", flush=True)
         if accuracy < TARGET_ACCURACY:
             logger.error("below the %.0f%% this example should reach", 100 * TARGET_ACCURACY)

@@ -126,7 +126,7 @@ def train(args: argparse.Namespace, service: torchpar.ps.ParameterService, data:
     start = time.perf_counter()
     progress = tqdm(total=total, initial=min(done, total), desc="train", unit="step", disable=worker != 0)
     net.train()
-    step, trained, step_seconds = 0, 0, 0.0  # the steps alone, the data handling aside
+    step, step_seconds = 0, 0.0  # the steps alone, the data handling aside
     for epoch in range(args.epochs):
         for indices in shard_batches(len(train_x), worker, workers, args.batch_size, epoch, args.seed):
             step += 1
@@ -138,7 +138,6 @@ def train(args: argparse.Namespace, service: torchpar.ps.ParameterService, data:
             loss.backward()  # each parameter's gradient is pushed as soon as backward has it
             params.step()  # waits for the servers' new values and writes them into net
             step_seconds += time.perf_counter() - step_start
-            trained += 1
             progress.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", refresh=False)
             progress.update()
     progress.close()
@@ -152,8 +151,9 @@ def train(args: argparse.Namespace, service: torchpar.ps.ParameterService, data:
     correct, count = test_accuracy(net, data["test_x"], data["test_y"], worker, workers, service.worker_group)
     accuracy = correct / count
     if worker == 0:
+        trained = max(0, total - done)
         logger.info("test accuracy %.1f%% (%d of %d held-out digits; %d steps of %d workers, %s, in %.1f s, %.2f ms "
-                    "per step)", 100 * accuracy, correct, count, max(0, total - done), workers, consistency, seconds,
+                    "per step)", 100 * accuracy, correct, count, trained, workers, consistency, seconds,
                     1e3 * step_seconds / max(1, trained))
     params.remove()
     return accuracy

@@ -173,7 +173,8 @@ void bind_pipeline(py::module_& module) {
   py::class_<pp::Layer>(pipeline, "Layer")
       .def(py::init([](std::string name, std::function<pp::Tensors(const pp::Tensors&)> forward,
                        pp::Tensors parameters, std::vector<std::string> parameter_names) {
-             return pp::Layer{std::move(name), std::move(forward), std::move(parameters), std::move(parameter_names), {}};
+             return pp::Layer{std::move(name), std::move(forward), std::move(parameters), std::move(parameter_names),
+                              pp::LayerTraits{}};
            }),
            py::arg("name"), py::arg("forward"), py::arg("parameters"),
            py::arg("parameter_names") = std::vector<std::string>{})

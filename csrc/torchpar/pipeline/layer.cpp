@@ -38,6 +38,22 @@ void count_embedding(const at::Tensor& weight, LayerTraits& traits) {
   traits.embedding_row_bytes = std::max(traits.embedding_row_bytes, static_cast<int64_t>(weight[0].nbytes()));
 }
 
+// A module without a faster layer of its own: its forward, called on one tensor.
+Layer module_layer(const std::string& name, torch::nn::AnyModule module) {
+  Layer layer;
+  layer.name = name;
+  for (const auto& named : module.ptr()->named_parameters()) {
+    layer.parameter_names.push_back(named.key());
+    layer.parameters.push_back(named.value());
+  }
+  layer.forward = [name, module = std::move(module)](const Tensors& inputs) mutable -> Tensors {
+    TORCH_CHECK(inputs.size() == 1, "pipeline layer ", name, " is a LibTorch module taking one tensor; it was given ",
+                inputs.size(), " (wrap modules that pass tuples in a torchpar::pipeline::Layer)");
+    return {module.forward<at::Tensor>(inputs[0])};
+  };
+  return layer;
+}
+
 } // namespace
 
 LayerTraits traits_of(const torch::nn::Module& module) {
@@ -62,23 +78,10 @@ LayerTraits traits_of(const torch::nn::Module& module) {
 
 Layer layer_from_module(const std::string& name, torch::nn::AnyModule module) {
   const LayerTraits traits = traits_of(*module.ptr());
-  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(module.ptr().get())) {
-    Layer layer = linear_layer(name, linear->weight, linear->bias);
-    layer.traits = traits;
-    return layer;
-  }
-  Layer layer;
+  const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(module.ptr().get());
+  Layer layer = linear != nullptr ? linear_layer(name, linear->weight, linear->bias)
+                                  : module_layer(name, std::move(module));
   layer.traits = traits;
-  layer.name = name;
-  for (const auto& named : module.ptr()->named_parameters()) {
-    layer.parameter_names.push_back(named.key());
-    layer.parameters.push_back(named.value());
-  }
-  layer.forward = [name, module = std::move(module)](const Tensors& inputs) mutable -> Tensors {
-    TORCH_CHECK(inputs.size() == 1, "pipeline layer ", name, " is a LibTorch module taking one tensor; it was given ",
-                inputs.size(), " (wrap modules that pass tuples in a torchpar::pipeline::Layer)");
-    return {module.forward<at::Tensor>(inputs[0])};
-  };
   return layer;
 }
 

@@ -172,7 +172,7 @@ ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, co
     }
     current.clear();
     for (const auto& output : outputs) current.push_back(output.detach());
-    built.push_back(std::move(layer));
+    if (chained_activations) built.push_back(std::move(layer));
   }
   if (chained_activations && counting_cpu_allocations()) {
     // One forward through the layers chained, as the model runs them: what each leaves alive beyond the tensors

@@ -1,6 +1,6 @@
 """Embedding tables a parameter server can hold as sparse rows: found in a model's layers for the cost model
-(``torchpar.plan``'s layer traits; the engine counts the first layer's, fed the model's integer inputs), and swapped for ``torchpar.ps.Embedding`` when ``--verify`` runs
-the parameter server."""
+(``torchpar.plan``'s layer traits; the engine counts the first layer's, fed the model's integer inputs), and
+swapped for ``torchpar.ps.Embedding`` when ``--verify`` runs the parameter server."""
 from __future__ import annotations
 
 import copy

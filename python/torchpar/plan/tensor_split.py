@@ -1,6 +1,7 @@
 """Layers a tensor group can split (an ``nn.Linear``, alone or followed by elementwise activations in an
-``nn.Sequential``), the elementwise layers that can run on the split between two of them, and the same model rebuilt with them split, as the cost model's roles say
-(``torchpar._C.plan.tensor_parallel_roles``), for ``--verify``."""
+``nn.Sequential``), the elementwise layers that can run on the split between two of them, and the same model
+rebuilt with them split, as the cost model's roles say (``torchpar._C.plan.tensor_parallel_roles``), for
+``--verify``."""
 from __future__ import annotations
 
 import copy
