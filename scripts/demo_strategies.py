@@ -71,7 +71,7 @@ def planned(model: str, batch: int, ranks: int, backend: str, folder: pathlib.Pa
     result = subprocess.run(
         [sys.executable, "-m", "torchpar.plan", "--model", f"torchpar.plan.examples:{model}", "--batch", str(batch),
          "--world", str(ranks), "--backend", backend, "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ, "TORCHPAR_PLAN_CALIBRATION": str(folder / "none.json")})
+        env={**os.environ, "TORCHPAR_PLAN_CALIBRATION": str(folder / "none.pt")})
     if result.returncode != 0:
         sys.exit(f"demo: planning {model} on {ranks} ranks failed:\n{(result.stdout + result.stderr)[-3000:]}")
     report = json.loads((out / "plan.json").read_text())

@@ -11,7 +11,7 @@ import pytest
 _SCRATCH = pathlib.Path(tempfile.mkdtemp(prefix="torchpar-tests-home-"))
 os.environ["XDG_CACHE_HOME"] = str(_SCRATCH / "cache")
 os.environ["MPLCONFIGDIR"] = str(_SCRATCH / "matplotlib")
-os.environ["TORCHPAR_PLAN_CALIBRATION"] = str(_SCRATCH / "plan_calibration.json")
+os.environ["TORCHPAR_PLAN_CALIBRATION"] = str(_SCRATCH / "plan_calibration.pt")
 
 _GUARDED = [pathlib.Path.home() / ".cache" / name for name in ("torchpar", "matplotlib")]
 

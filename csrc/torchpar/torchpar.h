@@ -12,9 +12,12 @@
 #include <torchpar/pipeline/partition.h>
 #include <torchpar/pipeline/pipeline.h>
 #include <torchpar/pipeline/simulator.h>
+#include <torchpar/plan/calibration_store.h>
+#include <torchpar/plan/host_overheads.h>
 #include <torchpar/plan/plan_on_ranks.h>
 #include <torchpar/plan/planner.h>
 #include <torchpar/plan/profile.h>
+#include <torchpar/plan/verify_on_ranks.h>
 #include <torchpar/ps/embedding.h>
 #include <torchpar/ps/remote_parameters.h>
 #include <torchpar/ps/service.h>

@@ -5,7 +5,10 @@
 //   torchrun --nproc-per-node=2 --no-python build/examples/cpp/train_pipeline [--data data/digits.pt]
 //            [--epochs 30] [--lr 0.05] [--batch-size 64] [--microbatches 4] [--schedule 1f1b]
 //            [--checkpoint-dir ckpt [--checkpoint-every 50]]   (each rank saves its stage; resumes after a restart)
-//            [--plan 2MiB]   (the planner picks the schedule, micro-batches and cut within 2 MiB per rank; 0: no cap)
+//            [--plan 2MiB]   (the planner picks the schedule, micro-batches and cut within 2 MiB per rank; 0: no cap;
+//                             calibrated by what `python -m torchpar.plan --verify` learned on this machine, if it ran)
+//            [--verify 2]    (with --plan: the top 2 run for real first, kept as calibration samples, and the pick
+//                             planned again with what they taught)
 //
 // Each rank builds only its own stage's layers. Rank 0 shows per-epoch progress; the last stage's
 // rank prints the held-out accuracy and the fullest rank's peak tensor memory while it trains (tensor_peak.h);
@@ -48,6 +51,7 @@ struct Arguments {
   std::string checkpoint_dir;
   int64_t checkpoint_every = 50;
   std::optional<int64_t> plan_memory_per_rank;  // --plan: the planner's cap (0: none)
+  int verify = 0;                                // --verify: the planned configurations run for real first
 };
 
 // "2MiB", "512KiB", "1000000" as bytes.
@@ -87,11 +91,16 @@ Arguments parse(int argc, char** argv) {
       arguments.checkpoint_every = std::stoll(value);
     } else if (flag == "--plan") {
       arguments.plan_memory_per_rank = parse_bytes(value);
+    } else if (flag == "--verify") {
+      arguments.verify = std::stoi(value);
     } else {
       throw std::invalid_argument("unknown option " + flag +
                                   " (--data, --epochs, --lr, --batch-size, --microbatches, --schedule, "
-                                  "--checkpoint-dir, --checkpoint-every, --plan)");
+                                  "--checkpoint-dir, --checkpoint-every, --plan, --verify)");
     }
+  }
+  if (arguments.verify > 0 && !arguments.plan_memory_per_rank) {
+    throw std::invalid_argument("--verify runs what --plan planned: give --plan too");
   }
   return arguments;
 }
@@ -153,8 +162,34 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (rank == 0) {
-      std::cerr << plan::render_table(planned.plan) << "memory per rank of the pick (its fullest rank):\n"
+      // What earlier `python -m torchpar.plan --verify` runs on this machine learned (the same store), if any.
+      std::cerr << (planned.calibration_learned ? "calibration from earlier --verify runs: " : "default calibration: ")
+                << plan::describe(planned.calibration) << "\n"
+                << plan::render_table(planned.plan) << "memory per rank of the pick (its fullest rank):\n"
                 << planned.plan.ranked.front().memory.render();
+    }
+    if (arguments.verify > 0) {
+      // The top configurations trained for a few steps on one rank's share of the first batch, as a training
+      // step runs, then the plan made again with the calibration they taught (kept for later plans).
+      const int64_t per_rank = arguments.batch_size / world;
+      const plan::TrainingRun run{{train_x.narrow(0, rank * per_rank, per_rank)},
+                                  train_y.narrow(0, rank * per_rank, per_rank),
+                                  [](const torchpar::pipeline::Tensors& outputs, const at::Tensor& target) {
+                                    return at::cross_entropy_loss(outputs[0], target);
+                                  },
+                                  {}};
+      const auto verified = plan::verify_plan_on_ranks(group, mlp_layers(), run, planned, arguments.verify);
+      if (rank == 0) {
+        std::cerr << "verified (step ms, predicted -> measured):\n";
+        for (const auto& entry : verified.verified) {
+          std::cerr << "  " << entry.configuration.describe() << ": " << entry.predicted_ms << " -> "
+                    << entry.measured.step_ms << "\n";
+        }
+        std::cerr << "calibration fitted to " << verified.calibration_samples << " runs on this machine: "
+                  << plan::describe(verified.replanned.calibration) << "\n"
+                  << plan::render_table(verified.replanned.plan);
+      }
+      planned = verified.replanned;
     }
     arguments.schedule = torchpar::pipeline::schedule_name(planned.chosen.schedule);
     arguments.microbatches = planned.chosen.microbatches;

@@ -13,7 +13,7 @@ def plan(tmp_path, model, *options, **environment):
     result = subprocess.run([sys.executable, "-m", "torchpar.plan", "--model", f"torchpar.plan.examples:{model}",
                              "--out", str(tmp_path), *map(str, options)],
                             capture_output=True, text=True, timeout=300,
-                            env=clean_env(TORCHPAR_PLAN_CALIBRATION=str(tmp_path / "calibration.json"),
+                            env=clean_env(TORCHPAR_PLAN_CALIBRATION=str(tmp_path / "calibration.pt"),
                                           **environment))
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads((tmp_path / "plan.json").read_text()), result.stdout + result.stderr
@@ -86,6 +86,10 @@ def test_what_does_not_divide_is_excluded_by_name(tmp_path):
 
 
 def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
+    import torch
+    from torchpar._C import plan as engine
+    from torchpar.plan.calibration import calibration_fields
+
     report, output = plan(tmp_path, "digits_mlp", "--batch", 64, "--world", 2, "--verify", 2,
                           "--verify-each-strategy", "--steps", 3)
     assert len(report["verified"]) >= 4, output  # the top 2 and the best of every strategy
@@ -109,21 +113,28 @@ def test_verify_runs_the_top_configurations_and_reports_them(tmp_path):
     assert "verified (step ms)" in output and "the top-ranked configuration measured" in output
     # What it learned is kept for the next plan on this machine, which says it uses it, with every verified
     # configuration as a sample that later --verify runs refit with theirs.
-    kept = list(json.loads((tmp_path / "calibration.json").read_text()).values())[0]
-    assert kept["calibration"] == report["learned_calibration"]
+    store = engine.CalibrationStore(str(tmp_path / "calibration.pt"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # kept under the ranks' thread count, as each rank runs
+    try:
+        kept = store.samples(2, "gloo")
+        learned = store.calibration(2, "gloo")
+    finally:
+        torch.set_num_threads(threads)
+    assert calibration_fields(learned) == report["learned_calibration"]
     # The runs that measured the host times are samples too (DDP, a pipeline, parameter servers of two sizes and
     # of an embedding's sparse rows).
     assert report["probe_samples"] == 5
-    assert len(kept["samples"]) == len(report["verified"]) + 5 == report["calibration_samples"]
+    assert len(kept) == len(report["verified"]) + 5 == report["calibration_samples"]
     # DDP's buckets go through the same-host shm group beside Gloo, and are costed so; the DDP probe that fits
     # the group's collectives under load (communication x) all-reduces through the group itself, and its sample
     # says so (fitted to the shm group's all-reduce, too cheap to tell a scale from, it ran into its bound).
     assert "ddp_all_reduce" in report["network"], output
-    ddp_samples = [sample for sample in kept["samples"] if sample["configuration"]["strategy"] == "ddp"]
-    probe = [sample for sample in ddp_samples if len(sample["layers"]) == 4]
-    verified = [sample for sample in ddp_samples if len(sample["layers"]) != 4]
-    assert len(probe) == 1 and "ddp_all_reduce" not in probe[0]["network"], ddp_samples
-    assert verified and all("ddp_all_reduce" in sample["network"] for sample in verified)
+    ddp_samples = [sample for sample in kept if sample.configuration.strategy == engine.Strategy.ddp]
+    probe = [sample for sample in ddp_samples if len(sample.model.layers) == 4]
+    verified = [sample for sample in ddp_samples if len(sample.model.layers) != 4]
+    assert len(probe) == 1 and probe[0].network.ddp_all_reduce is None, ddp_samples
+    assert verified and all(sample.network.ddp_all_reduce is not None for sample in verified)
     again_report, again = plan(tmp_path, "digits_mlp", "--batch", 64, "--world", 2, "--verify", 1, "--steps", 2)
     assert "calibration from earlier --verify runs" in again
     assert again_report["calibration"] == report["learned_calibration"]
@@ -161,15 +172,20 @@ def test_a_calibration_sample_survives_the_file_and_refits_the_same(tmp_path):
         samples.append(planner.calibration_sample(model, profile, network, configuration, batch=16,
                                                   optimizer_ms_per_byte=optimizer_ms_per_byte,
                                                   measured_ms=1.3 * predicted))
-    path = tmp_path / "calibration.json"
+    path = tmp_path / "calibration.pt"
     learned, count = calibration.learn(samples, 2, "gloo", path)
     assert count == 3
-    restored = [calibration.sample_from_json(calibration.sample_to_json(s)) for s in samples]
+    restored = calibration.CalibrationStore(str(path)).samples(2, "gloo")
+    assert len(restored) == 3
     for original, copy in zip(samples, restored):
         assert copy.configuration.describe() == original.configuration.describe()
         assert copy.model.contention == 1.7 and copy.network.copy.ms_per_byte == 1e-7
-        assert copy.network.stage_transfer.alpha_ms == 0.02
+        assert copy.network.stage_transfer.alpha_ms == 0.02 and copy.network.ddp_all_reduce is None
+        assert copy.measured_ms == original.measured_ms
         # The same prediction from the copy as from the original: nothing the cost model reads was lost.
+        for original_layer, copied_layer in zip(original.model.layers, copy.model.layers):
+            assert copied_layer.in_features == original_layer.in_features
+            assert copied_layer.backward_temporary_bytes == original_layer.backward_temporary_bytes
         assert (engine.predict(copy.model, copy.network, copy.setup, copy.configuration).step_ms ==
                 engine.predict(original.model, original.network, original.setup, original.configuration).step_ms)
     for sample in samples:  # the fit learned the 30% the "measurements" added
@@ -179,6 +195,20 @@ def test_a_calibration_sample_survives_the_file_and_refits_the_same(tmp_path):
     assert count == 3
     assert calibration.calibration_fields(again) == calibration.calibration_fields(learned)
     assert calibration.load_calibration(2, "gloo", path).compute_scale == learned.compute_scale
+    assert calibration.load_calibration(3, "gloo", path) is None  # kept per world (and backend)
+    # torch.load reads the store (torch's pickle format): one entry for this torch, backend, world and threads.
+    import torch
+    assert list(torch.load(path, weights_only=False)) == [engine.calibration_key(2, "gloo")]
+    # A file that is not a store (an older torchpar's JSON) is refused naming it, not overwritten.
+    stale = tmp_path / "old.json"
+    stale.write_text("{}")
+    try:
+        calibration.learn(samples, 2, "gloo", stale)
+    except RuntimeError as error:
+        assert "is not one" in str(error) and str(stale) in str(error)
+    else:
+        raise AssertionError("a JSON file was taken for a calibration store")
+    assert stale.read_text() == "{}"
 
 
 def test_the_host_overhead_is_where_the_prediction_meets_the_measurement():

@@ -81,14 +81,35 @@ def test_cpp_train_pipeline_reaches_95_percent(build_dir, digits, free_port, ran
     assert pipeline_accuracy(result.stdout, ranks, stages) >= 95.0
 
 
-def test_cpp_train_pipeline_plans_then_trains_the_pick(build_dir, digits, free_port):
-    """--plan: torchpar::plan::plan_on_ranks profiles the layers and the group from C++, every rank trains the
-    pipeline ranked first (its schedule, micro-batches and cut); a cap no pipeline meets stops every rank."""
+def test_cpp_train_pipeline_plans_then_trains_the_pick(build_dir, digits, free_port, tmp_path):
+    """--plan: torchpar::plan::plan_on_ranks profiles the layers and the group from C++, with the calibration that
+    Python's --verify keeps in the same store, and every rank trains the pipeline ranked first (its schedule,
+    micro-batches and cut); a cap no pipeline meets stops every rank."""
+    import torch
+    from torchpar._C import plan as engine
+
+    # What a --verify on 2 Gloo ranks (one thread each, as torchrun runs them) would have kept: a pipeline
+    # measured at twice its prediction.
+    sample = engine.CalibrationSample()
+    layer = engine.LayerProfile()
+    layer.forward_ms, layer.backward_input_ms, layer.backward_weight_ms, layer.parameter_bytes = 1.0, 0.5, 0.5, 4096
+    sample.model.layers = [layer, layer]
+    sample.configuration.strategy, sample.configuration.world = engine.Strategy.pipeline, 2
+    sample.measured_ms = 2 * engine.predict(sample.model, sample.network, sample.setup, sample.configuration).step_ms
+    store = engine.CalibrationStore(str(tmp_path / "calibration.pt"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        learned, _ = store.learn([sample], 2, "gloo", engine.default_calibration(2))
+    finally:
+        torch.set_num_threads(threads)
     binary = build_dir / "examples" / "cpp" / "train_pipeline"
     result = torchrun("--nproc-per-node=2", f"--master-port={free_port}", "--no-python", binary, "--data", digits,
-                      "--plan", "0")
+                      "--plan", "0", TORCHPAR_PLAN_CALIBRATION=str(store.path))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
+    assert learned.compute_scale > 1.2, engine.describe_calibration(learned)
+    assert "calibration from earlier --verify runs: " + engine.describe_calibration(learned) in output, output
     assert pipeline_accuracy(result.stdout, 2, 2) >= 95.0
     top = re.search(r"^  1 \| pipeline (\w+), 2 stages, (\d+) micro-batch(?:es)?, cut (\d+) (\d+) ", output, re.MULTILINE)
     assert top, output
@@ -96,9 +117,44 @@ def test_cpp_train_pipeline_plans_then_trains_the_pick(build_dir, digits, free_p
     assert f"stage 0: layers 0-{int(top[3]) - 1} ({top[3]} layer" in output, output  # the planned cut
     assert "pipeline rings' pages" in output  # the pick's memory, line by line
     capped = torchrun("--nproc-per-node=2", f"--master-port={free_port + 1}", "--no-python", binary, "--data", digits,
-                      "--plan", "1MiB")
+                      "--plan", "1MiB", TORCHPAR_PLAN_CALIBRATION=str(tmp_path / "none.pt"))
     assert capped.returncode != 0
     assert "no configuration of 2 ranks fits" in capped.stderr and "over the 1.0 MiB cap" in capped.stderr, capped.stderr
+
+
+def test_cpp_train_pipeline_verifies_the_plan_then_trains_the_pick_planned_again(build_dir, digits, free_port,
+                                                                              tmp_path):
+    """--plan --verify 1: before any calibration, the host time of C++'s engines is measured by a DDP and a pipeline
+    probe; the top pipeline runs for real, the three runs are kept in the store Python's --verify uses, and the
+    pick comes from the plan made again with the calibration they taught."""
+    import torch
+    from torchpar._C import plan as engine
+
+    binary = build_dir / "examples" / "cpp" / "train_pipeline"
+    store = tmp_path / "calibration.pt"
+    result = torchrun("--nproc-per-node=2", f"--master-port={free_port}", "--no-python", binary, "--data", digits,
+                      "--plan", "0", "--verify", "1", TORCHPAR_PLAN_CALIBRATION=str(store))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "default calibration: " in output and "verified (step ms, predicted -> measured):" in output, output
+    assert "calibration fitted to 3 runs on this machine" in output, output
+    replanned = output[output.index("calibration fitted to"):]
+    top = re.search(r"^  1 \| pipeline (\w+), 2 stages, (\d+) micro-batch(?:es)?, cut (\d+) (\d+) ", replanned,
+                    re.MULTILINE)
+    assert top, output
+    assert f"schedule {top[1]}, {top[2]} micro-batches" in result.stdout, output  # the pick planned again
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # kept under the ranks' thread count
+    try:
+        kept = engine.CalibrationStore(str(store)).samples(2, "gloo")
+    finally:
+        torch.set_num_threads(threads)
+    assert [s.configuration.strategy for s in kept] == [engine.Strategy.ddp, engine.Strategy.pipeline,
+                                                        engine.Strategy.pipeline]
+    assert all(s.measured_ms > 0 for s in kept)
+    alone = torchrun("--nproc-per-node=2", f"--master-port={free_port + 1}", "--no-python", binary, "--data", digits,
+                     "--verify", "1")
+    assert alone.returncode != 0 and "--verify runs what --plan planned: give --plan too" in alone.stderr
 
 
 @pytest.mark.parametrize("ranks,options,stages", [

@@ -2,6 +2,7 @@
 #include <torchpar/bindings/bindings.h>
 
 #include <torchpar/comm/shm/layout.h>
+#include <torchpar/plan/calibration_store.h>
 #include <torchpar/plan/planner.h>
 #include <torchpar/plan/profile.h>
 
@@ -169,6 +170,34 @@ void bind_plan(py::module_& module) {
     for (const auto& knob : plan::calibration_knobs()) bounds[knob.name] = py::make_tuple(knob.low, knob.high);
     return bounds;
   });
+  m.def("calibration_file", &plan::calibration_file,
+        "Where --verify keeps what it learned on this machine: $TORCHPAR_PLAN_CALIBRATION, else "
+        "$XDG_CACHE_HOME/torchpar/plan_calibration.pt, else ~/.cache/torchpar/plan_calibration.pt.");
+  m.def("default_calibration", &plan::default_calibration, py::arg("world"));
+  m.def("describe_calibration", &plan::describe, py::arg("calibration"));
+  m.def("calibration_key", &plan::calibration_key, py::arg("world"), py::arg("backend"));
+  py::class_<plan::CalibrationStore>(m, "CalibrationStore")
+      .def(py::init([](std::optional<std::string> path) {
+             return path ? plan::CalibrationStore(*path) : plan::CalibrationStore();
+           }),
+           py::arg("path") = py::none())
+      .def_property_readonly("path", &plan::CalibrationStore::path)
+      .def("calibration", &plan::CalibrationStore::calibration, py::arg("world"), py::arg("backend"))
+      .def("samples", &plan::CalibrationStore::samples, py::arg("world"), py::arg("backend"))
+      .def(
+          "learn",
+          [](plan::CalibrationStore& store, const std::vector<plan::CalibrationSample>& samples, int world,
+             const std::string& backend, const plan::Calibration& start) {
+            plan::LearnedCalibration learned;
+            {
+              py::gil_scoped_release release;  // the fit predicts every sample many times over
+              learned = store.learn(samples, world, backend, start);
+            }
+            return py::make_tuple(learned.calibration, learned.samples);
+          },
+          py::arg("samples"), py::arg("world"), py::arg("backend"), py::arg("start"),
+          "Adds `samples` to those kept for this world and backend, fits the calibration to all of them from "
+          "`start`, keeps both; returns (calibration, how many samples it rests on).");
   m.def("render_table", &plan::render_table, py::arg("plan"));
   m.def(
       "tensor_parallel_roles",

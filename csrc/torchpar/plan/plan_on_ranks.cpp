@@ -1,5 +1,6 @@
 #include <torchpar/plan/plan_on_ranks.h>
 
+#include <torchpar/plan/host_overheads.h>
 #include <torchpar/plan/profile.h>
 
 #include <torchpar/common/cpu_allocations.h>
@@ -59,7 +60,7 @@ Configuration decode(const at::Tensor& encoded) {
 
 PlannedOnRanks plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                              const std::vector<pipeline::LayerFactory>& factories, const pipeline::Tensors& sample,
-                             PlanOptions options, TrainingSetup setup) {
+                             PlanOptions options, TrainingSetup setup, const CalibrationStore& store) {
   TORCH_CHECK(group, "plan_on_ranks: no process group");
   const int rank = group->getRank();
   options.world(group->getSize());
@@ -71,12 +72,29 @@ PlannedOnRanks plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group
   // As the process was launched: glibc keeps freed blocks only where the launch fixed its thresholds.
   network.host_memory.keeps_freed_memory = keeping_freed_memory();
   PlannedOnRanks planned;
+  planned.setup = setup;
+  planned.options = options;
+  // What earlier --verify runs on this machine taught, else the default with the engines' host time measured on
+  // these ranks (collective: every rank learns which from rank 0).
+  std::optional<Calibration> learned;
+  if (rank == 0) learned = store.calibration(group->getSize(), group->getBackendName());
+  std::vector<at::Tensor> has_learned{at::zeros({1}, at::kLong)};
+  has_learned.front().fill_(learned ? 1 : 0);
+  group->broadcast(has_learned)->wait();
+  planned.calibration_learned = has_learned.front().item<int64_t>() == 1;
+  if (!planned.calibration_learned) {
+    planned.calibration = default_calibration(group->getSize());
+    planned.probes = measure_host_overheads(group, network, planned.calibration);
+  }
   at::Tensor chosen = encode(nullptr, factories.size());
   std::string reasons;
   if (rank == 0) {
     model = model.scaled_to(passes.alone_ms);
     model.contention = passes.together_ms / passes.alone_ms;
-    planned.plan = Planner(model, network, setup).plan(options);
+    planned.model = model;
+    planned.network = network;
+    if (learned) planned.calibration = *learned;
+    planned.plan = Planner(model, network, setup, planned.calibration).plan(options);
     if (!planned.plan.ranked.empty()) {
       Configuration best = planned.plan.ranked.front().configuration;
       best.balance = planned.plan.ranked.front().balance;
@@ -91,6 +109,69 @@ PlannedOnRanks plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group
               " ranks fits", rank == 0 ? ":\n" + reasons : " (rank 0 says why)");
   planned.chosen = decode(chosen);
   return planned;
+}
+
+VerifiedPlan verify_plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                  const std::vector<pipeline::LayerFactory>& factories, const TrainingRun& run,
+                                  const PlannedOnRanks& planned, int top, CalibrationStore store, int steps) {
+  TORCH_CHECK(group, "verify_plan_on_ranks: no process group");
+  const int rank = group->getRank();
+  const int world = group->getSize();
+  VerifiedPlan result;
+  std::vector<CalibrationSample> samples;
+  size_t next = 0;  // rank 0's place in its ranking
+  for (int verified = 0; verified < top; ++verified) {
+    const Prediction* prediction = nullptr;
+    Configuration configuration;
+    if (rank == 0) {
+      for (; next < planned.plan.ranked.size() && prediction == nullptr; ++next) {
+        configuration = planned.plan.ranked[next].configuration;
+        configuration.balance = planned.plan.ranked[next].balance;
+        if (verifiable_on_ranks(configuration)) prediction = &planned.plan.ranked[next];
+      }
+    }
+    std::vector<at::Tensor> broadcast{encode(prediction ? &configuration : nullptr, factories.size())};
+    group->broadcast(broadcast)->wait();
+    if (broadcast.front().data_ptr<int64_t>()[0] == 0) break;  // no more that C++ builds
+    configuration = decode(broadcast.front());
+    VerifiedConfiguration entry{configuration, 0, 0, {}};
+    if (prediction != nullptr) {
+      entry.predicted_ms = prediction->step_ms;
+      entry.predicted_tensor_bytes = prediction->tensor_memory_per_rank;
+    }
+    entry.measured = verify_on_ranks(group, factories, run, configuration, planned.setup, /*warmup=*/2, steps);
+    if (rank == 0) {
+      samples.push_back({planned.model, planned.network, planned.setup, configuration, entry.measured.step_ms});
+    }
+    result.verified.push_back(std::move(entry));
+  }
+  at::Tensor chosen = encode(nullptr, factories.size());
+  if (rank == 0) {
+    result.replanned = planned;
+    if (!samples.empty()) {
+      // The probes behind the default calibration are samples too (they tell the host's costs apart).
+      samples.insert(samples.begin(), planned.probes.begin(), planned.probes.end());
+      const auto start = planned.calibration_learned ? default_calibration(world) : planned.calibration;
+      const auto learned = store.learn(samples, world, group->getBackendName(), start);
+      result.calibration_samples = learned.samples;
+      result.replanned.calibration = learned.calibration;
+      result.replanned.calibration_learned = true;
+      result.replanned.plan =
+          Planner(planned.model, planned.network, planned.setup, learned.calibration).plan(planned.options);
+    }
+    if (!result.replanned.plan.ranked.empty()) {
+      Configuration best = result.replanned.plan.ranked.front().configuration;
+      best.balance = result.replanned.plan.ranked.front().balance;
+      chosen = encode(&best, factories.size());
+    }
+  }
+  std::vector<at::Tensor> broadcast{chosen};
+  group->broadcast(broadcast)->wait();
+  TORCH_CHECK(chosen.data_ptr<int64_t>()[0] == 1, "verify_plan_on_ranks: no configuration of ", world,
+              " ranks fits once calibrated",
+              rank == 0 ? ":\n" + render_table(result.replanned.plan) : " (rank 0 says why)");
+  result.replanned.chosen = decode(chosen);
+  return result;
 }
 
 } // namespace torchpar::plan

@@ -10,7 +10,7 @@ ZeRO stages 1-3, pipeline schedules x micro-batches x replicas, parameter server
 parallelism) and prints them
 ranked by predicted step time, with the configurations that are out and why, and the best one as C++ and
 Python code. --verify K runs the top K for a few steps and prints predicted against measured; each run is
-kept as a sample in $TORCHPAR_PLAN_CALIBRATION (default ~/.cache/torchpar/plan_calibration.json), and the
+kept as a sample in $TORCHPAR_PLAN_CALIBRATION (default ~/.cache/torchpar/plan_calibration.pt), and the
 calibration fitted to all of them applies to later plans on this machine.
 Writes <out>/plan.json and <out>/plan.png. Without torchrun it spawns --world ranks itself.
 """
