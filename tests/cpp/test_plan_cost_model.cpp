@@ -666,6 +666,18 @@ TEST_CASE("plan: a pipeline is cut at its fastest cut within the memory cap, not
   CHECK(none.ranked.empty());
   CHECK_THAT(plan::render_table(none),
              Contains("needs, cut the leanest way, 28.0 MiB per rank, over the 10.0 MiB cap"));
+  // Layers that add their weight gradients in themselves (plain Linear layers: pipeline/linear_layer.h) make none
+  // apart: [1, 3] then holds 36 MiB, [2, 2] 24, and the cut-aware search counts them the same way.
+  for (auto& layer : model.layers) layer.accumulates_weight_gradient = true;
+  auto fixed = pipe;
+  fixed.balance = {1, 3};
+  const auto own = plan::predict(model, net, batch_of(8), fixed);
+  CHECK(own.tensor_memory_per_rank == by_time.tensor_memory_per_rank - 4 * kMiB);
+  CHECK(own.memory.render().find("before they are accumulated") == std::string::npos);
+  const auto leaner = plan::Planner(model, net, batch_of(8))
+                          .plan(plan::PlanOptions().world(2).memory_per_rank(10 * kMiB).data_parallel(false)
+                                    .sharded(false).parameter_server(false).tensor_parallel(false).microbatches({2}));
+  CHECK_THAT(plan::render_table(leaner), Contains("needs, cut the leanest way, 24.0 MiB per rank"));
 }
 
 TEST_CASE("plan: with more cuts than it tries, the planner's local search still finds one within the cap") {

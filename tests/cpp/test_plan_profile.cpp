@@ -8,6 +8,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 
 #include <torchpar/pipeline/layer.h>
 #include <torchpar/plan/profile.h>
@@ -44,6 +45,11 @@ TEST_CASE("plan profile: Linear layers, activations and the first layer's embedd
   CHECK(model.layers[3].in_features == 32);
   CHECK(model.layers[3].out_features == 8);
   CHECK_FALSE(model.layers[3].elementwise);
+  // A plain Linear runs as the pipeline's own linear layer, adding its weight gradient in itself.
+  CHECK(model.layers[1].accumulates_weight_gradient);
+  CHECK(model.layers[3].accumulates_weight_gradient);
+  CHECK_FALSE(model.layers[0].accumulates_weight_gradient);
+  CHECK_FALSE(model.layers[2].accumulates_weight_gradient);
   // Only the first layer is fed the model's ids.
   for (size_t i = 1; i < model.layers.size(); ++i) CHECK(model.layers[i].sparse_parameter_bytes == 0);
   // The ReLU runs on the split between a column- and a row-parallel layer; the last Linear alone is gathered.
@@ -65,4 +71,8 @@ TEST_CASE("plan profile: a Sequential of a Linear and activations splits, and a 
   CHECK(block.split_out_features == 6);
   CHECK_FALSE(block.elementwise);
   CHECK(pipeline::traits_of(*nn::Sequential(nn::Linear(4, 6), nn::Linear(6, 2))).split_in_features == 0);
+  // Only a plain Linear accumulates its weight gradient itself; any other layer leaves it to autograd.
+  CHECK(pipeline::layer_from_module("linear", nn::AnyModule(nn::Linear(4, 6))).accumulates_weight_gradient);
+  CHECK_FALSE(pipeline::layer_from_module("norm", nn::AnyModule(nn::LayerNorm(nn::LayerNormOptions({6}))))
+                  .accumulates_weight_gradient);
 }

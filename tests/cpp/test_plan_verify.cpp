@@ -82,14 +82,12 @@ TEST_CASE("plan: DDP, ZeRO stages 1-3 and a pipeline verified from C++, each hol
       INFO(verified.describe() << ": predicted\n"
                                << predicted.memory.render() << "measured " << measured.allocated_bytes);
       CHECK(measured.step_ms > 0);
-      // A plan's memory is an upper bound (what it says fits must fit), and close: DDP and ZeRO 1-2 within 2%.
-      // ZeRO-3's last unit and a pipeline's micro-batches' gradient accumulation measured below what the model
-      // holds them to (docs/planner.md).
+      // A plan's memory is an upper bound (what it says fits must fit), and close: within 2% but for ZeRO-3, whose
+      // units the verification gathers one layer at a time where the model holds the largest and the next.
       const auto predicted_bytes = static_cast<double>(predicted.tensor_memory_per_rank);
       CHECK(measured.allocated_bytes <= predicted_bytes * 1.02);
-      const bool exact = verified.strategy == plan::Strategy::DataParallel ||
-                         (verified.strategy == plan::Strategy::Sharded && verified.zero_stage < 3);
-      CHECK(measured.allocated_bytes >= predicted_bytes * (exact ? 0.98 : 0.8));
+      const bool gathers = verified.strategy == plan::Strategy::Sharded && verified.zero_stage == 3;
+      CHECK(measured.allocated_bytes >= predicted_bytes * (gathers ? 0.85 : 0.98));
     }
     auto tensor = configuration(plan::Strategy::TensorParallel, world);
     CHECK_THROWS_WITH(plan::verify_on_ranks(pg, layers(), run, tensor, setup),

@@ -182,6 +182,7 @@ void bind_pipeline(py::module_& module) {
       .def_readonly("parameters", &pp::Layer::parameters)
       .def_readonly("parameter_names", &pp::Layer::parameter_names)
       .def_readwrite("traits", &pp::Layer::traits)
+      .def_readonly("accumulates_weight_gradient", &pp::Layer::accumulates_weight_gradient)
       .def("__call__", [](const pp::Layer& layer, const pp::Tensors& inputs) { return layer.forward(inputs); },
            py::arg("inputs"));
   pipeline.def(

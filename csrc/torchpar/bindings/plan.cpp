@@ -37,6 +37,7 @@ void bind_plan(py::module_& module) {
       .def_readwrite("in_features", &plan::LayerProfile::in_features)
       .def_readwrite("out_features", &plan::LayerProfile::out_features)
       .def_readwrite("elementwise", &plan::LayerProfile::elementwise)
+      .def_readwrite("accumulates_weight_gradient", &plan::LayerProfile::accumulates_weight_gradient)
       .def_readwrite("backward_temporary_bytes", &plan::LayerProfile::backward_temporary_bytes);
   py::class_<plan::ModelProfile>(m, "ModelProfile")
       .def(py::init<>())

@@ -41,6 +41,9 @@ struct Layer {
   // PipelineOptions::shared_parameters and messages address a parameter. Empty: by position only.
   std::vector<std::string> parameter_names;
   LayerTraits traits;
+  // Its backward adds the weight gradient into .grad itself (linear_layer.h), so that from a stage's second
+  // micro-batch on no weight-sized gradient is made and then added: what the planner's memory model counts.
+  bool accumulates_weight_gradient = false;
 };
 
 // A layer building itself; the pipeline calls only the factories of its own stages, so no rank ever

@@ -106,6 +106,7 @@ Layer linear_layer(const std::string& name, at::Tensor weight, at::Tensor bias) 
   layer.name = name;
   layer.parameters = bias.defined() ? Tensors{weight, bias} : Tensors{weight};
   layer.parameter_names = bias.defined() ? std::vector<std::string>{"weight", "bias"} : std::vector<std::string>{"weight"};
+  layer.accumulates_weight_gradient = true;
   layer.forward = [name, weight = std::move(weight), bias = std::move(bias)](const Tensors& inputs) -> Tensors {
     TORCH_CHECK(inputs.size() == 1, "pipeline layer ", name, " is a linear layer taking one tensor; it was given ",
                 inputs.size());

@@ -91,6 +91,7 @@ Fields layer_fields(const LayerProfile& layer) {
   for (const auto& [name, member] : kLayerTimes) fields.insert(name, layer.*member);
   for (const auto& [name, member] : kLayerSizes) fields.insert(name, layer.*member);
   fields.insert("elementwise", layer.elementwise);
+  fields.insert("accumulates_weight_gradient", layer.accumulates_weight_gradient);
   return fields;
 }
 
@@ -100,6 +101,7 @@ LayerProfile layer_from(const Fields& fields) {
   for (const auto& [name, member] : kLayerTimes) layer.*member = required(fields, name).toDouble();
   for (const auto& [name, member] : kLayerSizes) read_optional(fields, name, layer.*member);
   read_optional(fields, "elementwise", layer.elementwise);
+  read_optional(fields, "accumulates_weight_gradient", layer.accumulates_weight_gradient);
   return layer;
 }
 

@@ -43,6 +43,9 @@ struct LayerProfile {
   int64_t out_features = 0;
   // Acts on each element alone (an activation between two Linear layers): tensor parallelism runs it on the split.
   bool elementwise = false;
+  // Adds its weight gradient into the accumulated one itself (pipeline::Layer::accumulates_weight_gradient): a
+  // pipeline stage's later micro-batches make no weight-sized gradient apart for it.
+  bool accumulates_weight_gradient = false;
   // What its backward allocates at its peak beyond the gradients it leaves (at ModelProfile::batch samples;
   // measured where the CPU allocations are counted, else 0).
   int64_t backward_temporary_bytes = 0;

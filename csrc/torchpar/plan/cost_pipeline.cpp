@@ -109,7 +109,7 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
   double slowest_extra = 0;
   for (int rank = 0; rank < spec.ranks; ++rank) {
     int64_t parameters = 0, activations = 0, sent = 0, largest_message = 0, awaiting_weights = 0;
-    double largest_layer = 0;  // of this rank's split
+    double largest_gradient_apart = 0;  // of this rank's split: a weight gradient made apart, then accumulated
     double compute = 0, temporaries = 0;
     std::set<int> neighbours;  // the stage ranks this one exchanges activations and gradients with
     for (int stage = rank; stage < stages; stage += spec.ranks) {
@@ -118,7 +118,10 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
         const auto index = static_cast<size_t>(layer);
         const auto split = split_layer_cost(model, index, roles[index], tensor, micro, tensor_network, calibration);
         parameters += static_cast<int64_t>(split.parameter_bytes);
-        largest_layer = std::max(largest_layer, split.parameter_bytes);
+        // A whole layer that accumulates its weight gradient itself makes none apart (split layers are others).
+        if (!(model.layers[index].accumulates_weight_gradient && roles[index] == TensorRole::Whole)) {
+          largest_gradient_apart = std::max(largest_gradient_apart, split.parameter_bytes);
+        }
         sent += static_cast<int64_t>(spec.microbatches * split.moved_bytes);
       }
       activations = std::max(activations, activation_bytes(model, micro, begin, end));
@@ -166,8 +169,9 @@ Prediction predict_pipeline(const ModelProfile& model, const NetworkProfile& idl
                false);
     memory.add("backward's temporaries (beyond freed activations)", temporaries);
     memory.add("output gradients kept for the weight gradients (W)", static_cast<double>(awaiting_weights));
-    // From the second micro-batch on, a layer's weight gradients are made apart and then added to those accumulated.
-    if (spec.microbatches > 1) memory.add("a layer's gradients before they are accumulated", largest_layer);
+    // From the second micro-batch on, a layer's weight gradients are made apart and then added to those accumulated
+    // (autograd's AccumulateGrad), except where the layer adds them in itself (a plain Linear's: linear_layer.h).
+    if (spec.microbatches > 1) memory.add("a layer's gradients before they are accumulated", largest_gradient_apart);
     add_host_lines(memory, host, heap_retained(model, whole));
     if (memory.total() > prediction.memory.total()) prediction.memory = std::move(memory);
     const int64_t averaged = replicas > 1 ? 2 * (replicas - 1) * parameters / replicas : 0;

@@ -70,9 +70,9 @@ bool better_under_cap(const Prediction& a, const Prediction& b, int64_t cap) {
 
 // Where every cut is too many to try, for a pipeline of one stage per rank without tensor groups: the cut that
 // minimises the slowest stage's time (the layers' profiled times) among those whose every stage's tensors
-// (parameters, gradients, replicas' buckets, optimizer state, a layer's gradients before they are accumulated, and
-// the activations each rank holds in the schedule, simulated at equal costs) fit `cap` (0: none); where none fits,
-// the one least over it. By dynamic programming over (stage, layers so far).
+// (parameters, gradients, replicas' buckets, optimizer state, a layer's gradients before they are accumulated where
+// it does not add them in itself, and the activations each rank holds in the schedule, simulated at equal costs)
+// fit `cap` (0: none); where none fits, the one least over it. By dynamic programming over (stage, layers so far).
 std::vector<int64_t> fastest_fitting_cut(const ModelProfile& model, const TrainingSetup& setup,
                                          const Configuration& configuration, int64_t cap) {
   pipeline::ScheduleSpec spec;
@@ -98,7 +98,7 @@ std::vector<int64_t> fastest_fitting_cut(const ModelProfile& model, const Traini
       for (int64_t begin = end - 1; begin >= stage - 1; --begin) {  // the stage is layers [begin, end)
         const auto& layer = model.layers[static_cast<size_t>(begin)];
         parameters += static_cast<double>(layer.parameter_bytes);
-        largest = std::max(largest, static_cast<double>(layer.parameter_bytes));
+        if (!layer.accumulates_weight_gradient) largest = std::max(largest, static_cast<double>(layer.parameter_bytes));
         milliseconds += layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms;
         activations += layer.activation_bytes * micro / model.batch;
         const auto& before = best[static_cast<size_t>(stage - 1)][static_cast<size_t>(begin)];

@@ -118,6 +118,7 @@ ModelProfile profile_at(const std::vector<pipeline::LayerFactory>& factories, co
     profile.in_features = layer.traits.split_in_features;
     profile.out_features = layer.traits.split_out_features;
     profile.elementwise = layer.traits.elementwise;
+    profile.accumulates_weight_gradient = layer.accumulates_weight_gradient;
     if (index == 0) set_sparse_tables(layer.traits, sample, profile);
     pipeline::Tensors outputs;
     profile.forward_ms = median_ms(repeats, [&] { outputs = layer.forward(inputs); });
