@@ -9,7 +9,8 @@ is the mean of the program's training steps alone (forward, backward, the strate
 optimizer step; the data handling around them aside), as the planner predicts a step; the memory is the fullest
 rank's peak of CPU tensor memory while it trains, by the allocator's count (torchpar.allocator.TensorPeak; the data
 loaded before aside), as the planner predicts a rank's tensors. The prediction is the planner's (python -m
-torchpar.plan, without --verify's calibration) for the same model, batch, ranks and configuration.
+torchpar.plan, without --verify's calibration) for the same model, batch, ranks and configuration, or, for a C++
+program that plans itself (train_pipeline --plan), the C++ planner's for the configuration it picked and trains.
 """
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ RUNS = [
     # (DDP on shm: as a Python DDP on Gloo gets an shm group beside it, which the planner predicts.)
     ("DDP (shm)", "C++", 2, "shm", ["--no-python", BUILD / "train_ddp"], "digits_mlp", 64, "ddp, 2 replicas"),
     ("DDP (shm)", "Python", 2, "shm", [PYTHON / "train_ddp.py"], "digits_mlp", 64, "ddp, 2 replicas"),
-    ("pipeline", "C++", 2, "gloo", ["--no-python", BUILD / "train_pipeline"], "digits_cpp_deep_mlp", 64,
-     "pipeline 1f1b, 2 stages, 4 micro-batches"),
+    # The C++ pipeline plans itself (plan_on_ranks, from an empty calibration: its own engines' host time probed)
+    # and trains its pick; the prediction is the one it printed.
+    ("planned by C++", "C++", 2, "gloo", ["--no-python", BUILD / "train_pipeline", "--plan", "0"], None, 64,
+     None),
     ("pipeline", "Python", 2, "gloo", [PYTHON / "train_pipeline.py"], "digits_deep_mlp", 64,
      "pipeline 1f1b, 2 stages, 4 micro-batches"),
     ("parameter server", "Python", 3, "gloo", [PYTHON / "train_ps.py"], "digits_mlp", 64,
@@ -51,12 +54,15 @@ STEP_MS = re.compile(r"([\d.]+) ms per step")
 PEAK_KIB = re.compile(r"peak tensor memory ([\d.]+) KiB on the fullest rank")
 PEAK_MIB = re.compile(r"peak allocated ([\d.]+) MiB per rank")  # train_sharded's, beside its cap
 ACCURACY = re.compile(r"test accuracy ([\d.]+)%")
+# What a C++ program planning itself printed: its pick (the table's first row) and the pick's tensors.
+PICK = re.compile(r"^\s+1 \| (.+?)\s+\|\s+([\d.]+) \|", re.MULTILINE)
+PICK_TENSORS = re.compile(r"tensors \(the allocator's peak\)\s+([\d.]+) (KiB|MiB)")
 
 
-def torchrun(ranks: int, arguments: list, backend: str) -> str:
+def torchrun(ranks: int, arguments: list, backend: str, calibration: pathlib.Path) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", *map(str, arguments)]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, "TORCHPAR_BACKEND": backend})
+    environment = {**os.environ, "TORCHPAR_BACKEND": backend, "TORCHPAR_PLAN_CALIBRATION": str(calibration)}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment)
     output = result.stdout + result.stderr
     if result.returncode != 0:
         sys.exit(f"demo: {' '.join(map(str, arguments))} failed:\n{output[-3000:]}")
@@ -78,6 +84,14 @@ def planned(model: str, batch: int, ranks: int, backend: str, folder: pathlib.Pa
     return {p["configuration"]: p for p in report["ranked"]}
 
 
+def self_planned(output: str) -> tuple[str, dict]:
+    """The pick a C++ program planning itself printed, and its predicted step and tensors (bytes)."""
+    pick = PICK.search(output)
+    tensors = PICK_TENSORS.search(output)
+    scale = 1024 if tensors[2] == "KiB" else 2**20
+    return pick[1], {"step_ms": float(pick[2]), "tensor_memory_per_rank": float(tensors[1]) * scale}
+
+
 def measured_peak(output: str) -> float:
     """The fullest rank's peak tensor memory the program printed, in bytes."""
     if (kib := PEAK_KIB.search(output)) is not None:
@@ -97,8 +111,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         for label, language, ranks, backend, arguments, model, batch, configuration in tqdm(RUNS, desc="strategies",
                                                                                             unit="run"):
-            prediction = planned(model, batch, ranks, backend, pathlib.Path(folder)).get(configuration) or {}
-            output = torchrun(ranks, arguments, backend)
+            calibration = pathlib.Path(folder) / "none.pt"  # every prediction a first one
+            output = torchrun(ranks, arguments, backend, calibration)
+            if model is None:
+                configuration, prediction = self_planned(output)
+                label = f"{label}: {configuration}"
+            else:
+                prediction = planned(model, batch, ranks, backend, pathlib.Path(folder)).get(configuration) or {}
             rows.append((label, language, ranks, prediction.get("step_ms"), float(STEP_MS.search(output)[1]),
                          prediction.get("tensor_memory_per_rank"), measured_peak(output),
                          float(ACCURACY.search(output)[1])))
@@ -112,7 +131,8 @@ def main() -> int:
               f"| {memory_text} | {memory / 1024:.0f} KiB | {error(memory_predicted, memory)} | {accuracy:.1f}% |")
     print("\nmeasured: each program's mean training step (the data handling around it aside) and its fullest rank's "
           "peak of CPU tensor memory while it trains (the data aside); predicted: python -m torchpar.plan for the "
-          "same model, batch and configuration, without --verify's calibration.")
+          "same model, batch and configuration, or the C++ program's own plan (plan_on_ranks) of what it trains, "
+          "without --verify's calibration.")
     return 0
 
 
