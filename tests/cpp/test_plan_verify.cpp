@@ -4,6 +4,7 @@
 #include "catch_with_torch.h"
 
 #include <ATen/ops/mse_loss.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/randn.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/any.h>
@@ -11,11 +12,13 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <torchpar/common/cpu_allocations.h>
+#include <torchpar/plan/host_overheads.h>
 #include <torchpar/plan/plan_on_ranks.h>
 #include <torchpar/plan/profile.h>
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 
 #include "harness.h"
@@ -150,6 +153,40 @@ TEST_CASE("plan: a plan verified from C++ keeps its samples in the store and is 
       CHECK(again.probes.empty());
       CHECK(again.calibration.compute_scale == verified.replanned.calibration.compute_scale);
     }
+    // Verifying that plan starts its fit where Python's --verify does: from the default with the host time probed
+    // now, the probes kept as samples too (5 + 1 verified + 2 probes).
+    const auto reverified = plan::verify_plan_on_ranks(pg, layers(), run, again, 1, plan::CalibrationStore(path), 2);
+    CHECK(reverified.verified.size() == 1);
+    if (rank == 0) CHECK(reverified.calibration_samples == 8);
+  });
+  std::filesystem::remove_all(folder);
+}
+
+TEST_CASE("plan: the host-time probes leave the random stream as it was, and a foreign store stops every rank") {
+  char folder[] = "/tmp/torchpar-plan-probes-XXXXXX";
+  REQUIRE(mkdtemp(folder) != nullptr);
+  const std::string stale = std::string(folder) + "/old.json";
+  std::ofstream(stale) << "{}";
+  run_on_ranks(2, [&](int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    torch::manual_seed(7);
+    const auto expected = at::randn({4});
+    torch::manual_seed(7);
+    plan::Calibration calibration = plan::default_calibration(world);
+    const auto probes = plan::measure_host_overheads(pg, plan::measure_network(pg), calibration);
+    CHECK(at::equal(at::randn({4}), expected));
+    if (rank == 0) {
+      CHECK(probes.size() == 2);
+      CHECK(calibration.communication_scale >= 0.5);
+    } else {
+      CHECK(probes.empty());
+      CHECK(calibration.communication_scale == plan::default_calibration(world).communication_scale);
+    }
+    // Rank 0 alone reads the store; where it is not one, every rank fails instead of waiting for rank 0.
+    plan::TrainingSetup setup;
+    setup.batch = 8 * world;
+    CHECK_THROWS_WITH(plan::plan_on_ranks(pg, layers(), training(rank).inputs, plan::PlanOptions(), setup,
+                                          plan::CalibrationStore(stale)),
+                      Contains(rank == 0 ? "old.json is not one" : "rank 0 failed"));
   });
   std::filesystem::remove_all(folder);
 }

@@ -211,6 +211,20 @@ def test_a_calibration_sample_survives_the_file_and_refits_the_same(tmp_path):
     assert stale.read_text() == "{}"
 
 
+def test_a_file_that_is_no_calibration_store_stops_every_rank_saying_so(tmp_path):
+    """Rank 0 alone reads the store: where the file is not one (an older torchpar's JSON), the plan stops on every
+    rank, naming the file, instead of leaving the other ranks waiting for rank 0."""
+    stale = tmp_path / "old.json"
+    stale.write_text("{}")
+    result = subprocess.run([sys.executable, "-m", "torchpar.plan", "--model", "torchpar.plan.examples:digits_mlp",
+                             "--batch", "64", "--world", "2", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300,
+                            env=clean_env(TORCHPAR_PLAN_CALIBRATION=str(stale)))
+    assert result.returncode != 0
+    assert f"{stale} is not one" in result.stderr, result.stderr[-3000:]
+    assert stale.read_text() == "{}"
+
+
 def test_the_host_overhead_is_where_the_prediction_meets_the_measurement():
     from torchpar.plan.host_overhead import _solve
 

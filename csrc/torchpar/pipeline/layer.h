@@ -42,7 +42,8 @@ struct Layer {
   std::vector<std::string> parameter_names;
   LayerTraits traits;
   // Its backward adds the weight gradient into .grad itself (linear_layer.h), so that from a stage's second
-  // micro-batch on no weight-sized gradient is made and then added: what the planner's memory model counts.
+  // micro-batch on no weight-sized gradient is made and then added: what the planner's memory model counts. (Under
+  // autocast, which the planner does not model, linear_layer leaves the accumulation to autograd.)
   bool accumulates_weight_gradient = false;
 };
 

@@ -1,8 +1,10 @@
 #include <torchpar/plan/host_overheads.h>
 
+#include <torchpar/common/generator_state.h>
 #include <torchpar/plan/profile.h>
 #include <torchpar/plan/verify_on_ranks.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/mse_loss.h>
 #include <ATen/ops/randn.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -86,17 +88,22 @@ std::vector<CalibrationSample> measure_host_overheads(const c10::intrusive_ptr<c
   std::vector<CalibrationSample> samples;
   const int world = group->getSize();
   if (world < 2) return samples;
+  // The probes seed their layers and samples: the program's random stream goes on afterwards as if they never ran.
+  const GeneratorStateGuard random_stream(at::detail::getDefaultCPUGenerator().get_state());
+  const bool answering = group->getRank() == 0;  // the others measure with it, their answers unused
   Configuration ddp;
   ddp.world = world;
-  calibration.communication_scale = fitted(group, linear_layers(4, 512), 512, ddp, network, calibration,
-                                           "communication_scale", kDataParallelSteps, samples);
+  const double scale = fitted(group, linear_layers(4, 512), 512, ddp, network, calibration, "communication_scale",
+                              kDataParallelSteps, samples);
+  if (answering) calibration.communication_scale = scale;
   Configuration pipe;
   pipe.strategy = Strategy::Pipeline;
   pipe.world = world;
   pipe.microbatches = kMicrobatches;
   pipe.balance = std::vector<int64_t>(static_cast<size_t>(world), 1);
-  calibration.per_action_ms =
+  const double per_action_ms =
       fitted(group, linear_layers(world, 8), 8, pipe, network, calibration, "per_action_ms", kPipelineSteps, samples);
+  if (answering) calibration.per_action_ms = per_action_ms;
   return samples;
 }
 

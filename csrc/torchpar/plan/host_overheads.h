@@ -14,7 +14,8 @@
 
 namespace torchpar::plan {
 
-// Every rank of `group` calls it; what counts is rank 0's. Sets, in this order (each fitted with those before it),
+// Every rank of `group` calls it; rank 0's calibration gets the answers (the others' stays as it was), and the
+// default CPU generator's state is as it was before. Sets, in this order (each fitted with those before it),
 // `calibration.communication_scale` from DDP of four Linear(512, 512) at 16 samples a rank, and `per_action_ms`
 // from a 1F1B pipeline of one Linear(8, 8) per rank with 4 micro-batches. Returns those runs as calibration
 // samples (rank 0), for verify_plan_on_ranks's fit. Nothing on a group of one rank.

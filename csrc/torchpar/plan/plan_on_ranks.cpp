@@ -4,6 +4,7 @@
 #include <torchpar/plan/profile.h>
 
 #include <torchpar/common/cpu_allocations.h>
+#include <torchpar/common/error_message.h>
 
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -56,6 +57,17 @@ Configuration decode(const at::Tensor& encoded) {
   return c;
 }
 
+// What rank 0 alone did before a collective (read or write the calibration store) must not leave the others waiting
+// in it when it failed: every rank learns whether it did, and all throw (rank 0 with its message).
+void agree_rank0_succeeded(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& rank0_error,
+                           const char* what) {
+  std::vector<at::Tensor> failed{at::zeros({1}, at::kLong)};
+  if (!rank0_error.empty()) failed.front().fill_(1);
+  group->broadcast(failed)->wait();
+  TORCH_CHECK(failed.front().item<int64_t>() == 0, what, ": ",
+              group->getRank() == 0 ? rank0_error : std::string("rank 0 failed (its error says why)"));
+}
+
 } // namespace
 
 PlannedOnRanks plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
@@ -77,7 +89,15 @@ PlannedOnRanks plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group
   // What earlier --verify runs on this machine taught, else the default with the engines' host time measured on
   // these ranks (collective: every rank learns which from rank 0).
   std::optional<Calibration> learned;
-  if (rank == 0) learned = store.calibration(group->getSize(), group->getBackendName());
+  std::string store_error;
+  if (rank == 0) {
+    try {
+      learned = store.calibration(group->getSize(), group->getBackendName());
+    } catch (const std::exception& error) {
+      store_error = message_of(error);
+    }
+  }
+  agree_rank0_succeeded(group, store_error, "plan_on_ranks");
   std::vector<at::Tensor> has_learned{at::zeros({1}, at::kLong)};
   has_learned.front().fill_(learned ? 1 : 0);
   group->broadcast(has_learned)->wait();
@@ -145,20 +165,33 @@ VerifiedPlan verify_plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& 
     }
     result.verified.push_back(std::move(entry));
   }
+  // The fit starts from the default calibration with the engines' host time measured on these ranks, as
+  // `python -m torchpar.plan --verify` starts it (both keep their samples in the same store): the plan's own when it
+  // had no learned one, else measured now (collective), and those probes are samples too.
+  Calibration start = planned.calibration;
+  auto probes = planned.probes;
+  if (planned.calibration_learned) {
+    start = default_calibration(world);
+    probes = measure_host_overheads(group, planned.network, start);
+  }
+  result.replanned = planned;
   at::Tensor chosen = encode(nullptr, factories.size());
-  if (rank == 0) {
-    result.replanned = planned;
-    if (!samples.empty()) {
-      // The probes behind the default calibration are samples too (they tell the host's costs apart).
-      samples.insert(samples.begin(), planned.probes.begin(), planned.probes.end());
-      const auto start = planned.calibration_learned ? default_calibration(world) : planned.calibration;
+  std::string store_error;
+  if (rank == 0 && !samples.empty()) {
+    samples.insert(samples.begin(), probes.begin(), probes.end());
+    try {
       const auto learned = store.learn(samples, world, group->getBackendName(), start);
       result.calibration_samples = learned.samples;
       result.replanned.calibration = learned.calibration;
       result.replanned.calibration_learned = true;
       result.replanned.plan =
           Planner(planned.model, planned.network, planned.setup, learned.calibration).plan(planned.options);
+    } catch (const std::exception& error) {
+      store_error = message_of(error);
     }
+  }
+  agree_rank0_succeeded(group, store_error, "verify_plan_on_ranks");
+  if (rank == 0) {
     if (!result.replanned.plan.ranked.empty()) {
       Configuration best = result.replanned.plan.ranked.front().configuration;
       best.balance = result.replanned.plan.ranked.front().balance;

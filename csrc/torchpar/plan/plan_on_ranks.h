@@ -27,8 +27,8 @@ struct PlannedOnRanks {
   // (host_overheads.h), whose runs are `probes` (rank 0).
   bool calibration_learned = false;
   std::vector<CalibrationSample> probes;
-  // What rank 0 planned from (empty on the others): verify_plan_on_ranks keeps it with each measurement and
-  // re-plans from it.
+  // What the plan was made from, for verify_plan_on_ranks to keep with each measurement and plan again from: the
+  // setup and options on every rank; the model's profile and the network rank 0's (empty on the others).
   ModelProfile model;
   NetworkProfile network;
   TrainingSetup setup;
@@ -63,7 +63,9 @@ struct VerifiedPlan {
 // `python -m torchpar.plan --verify K` from C++: the first `top` configurations of `planned` that C++ builds
 // (verifiable_on_ranks; the others are skipped) run for `steps` timed steps each, every one kept in `store` as
 // a calibration sample under the group's backend, and the model planned again with the calibration fitted to
-// them and to what earlier runs on this machine kept. Every rank of `group` calls it after plan_on_ranks.
+// them and to what earlier runs on this machine kept, from the default calibration with the engines' host time
+// measured on these ranks (where `planned` used a learned one, measured now). Every rank of `group` calls it after
+// plan_on_ranks; a store that cannot be read or written fails every rank (rank 0 saying why).
 VerifiedPlan verify_plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                   const std::vector<pipeline::LayerFactory>& factories, const TrainingRun& run,
                                   const PlannedOnRanks& planned, int top, CalibrationStore store = CalibrationStore(),

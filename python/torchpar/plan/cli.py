@@ -185,10 +185,17 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     network.host_memory.process_overhead_bytes = measure_process_overhead(network, control, args.backend)
     # The default calibration, with the engines' host times measured on these ranks: what this plan predicts
     # with unless earlier --verify runs taught one, and where this run's --verify fit starts.
-    calibration = planner.load_calibration(world, args.backend) if rank == 0 else None
+    calibration, store_error = None, None
+    if rank == 0:
+        try:
+            calibration = planner.load_calibration(world, args.backend)
+        except RuntimeError as error:  # a file that is no calibration store: every rank stops, rank 0 says why
+            store_error = str(error)
     verifying = args.verify > 0 or args.verify_each_strategy
-    needs_default = [calibration is None or verifying]
+    needs_default = [calibration is None or verifying, store_error]
     dist.broadcast_object_list(needs_default, src=0, group=control)
+    if needs_default[1]:
+        raise RuntimeError(needs_default[1] if rank == 0 else "rank 0 could not read the calibration store")
     default = planner.default_calibration(world)
     probes = []  # the runs behind the default, as calibration samples
     if needs_default[0]:
