@@ -6,6 +6,7 @@
 #include <torchpar/common/cpu_allocations.h>
 #include <torchpar/common/error_message.h>
 
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -58,14 +59,16 @@ Configuration decode(const at::Tensor& encoded) {
 }
 
 // What rank 0 alone did before a collective (read or write the calibration store) must not leave the others waiting
-// in it when it failed: every rank learns whether it did, and all throw (rank 0 with its message).
-void agree_rank0_succeeded(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& rank0_error,
-                           const char* what) {
-  std::vector<at::Tensor> failed{at::zeros({1}, at::kLong)};
-  if (!rank0_error.empty()) failed.front().fill_(1);
-  group->broadcast(failed)->wait();
-  TORCH_CHECK(failed.front().item<int64_t>() == 0, what, ": ",
+// in it when it failed: every rank learns whether it did, and all throw (rank 0 with its message); else every rank
+// gets rank 0's `rank0_value`.
+int64_t agree_with_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& rank0_error,
+                         int64_t rank0_value, const char* what) {
+  std::vector<at::Tensor> outcome{at::tensor({rank0_error.empty() ? int64_t{0} : int64_t{1}, rank0_value}, at::kLong)};
+  group->broadcast(outcome)->wait();
+  const auto* told = outcome.front().data_ptr<int64_t>();
+  TORCH_CHECK(told[0] == 0, what, ": ",
               group->getRank() == 0 ? rank0_error : std::string("rank 0 failed (its error says why)"));
+  return told[1];
 }
 
 } // namespace
@@ -97,11 +100,7 @@ PlannedOnRanks plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group
       store_error = message_of(error);
     }
   }
-  agree_rank0_succeeded(group, store_error, "plan_on_ranks");
-  std::vector<at::Tensor> has_learned{at::zeros({1}, at::kLong)};
-  has_learned.front().fill_(learned ? 1 : 0);
-  group->broadcast(has_learned)->wait();
-  planned.calibration_learned = has_learned.front().item<int64_t>() == 1;
+  planned.calibration_learned = agree_with_rank0(group, store_error, learned ? 1 : 0, "plan_on_ranks") == 1;
   if (!planned.calibration_learned) {
     planned.calibration = default_calibration(group->getSize());
     planned.probes = measure_host_overheads(group, network, planned.calibration);
@@ -190,7 +189,7 @@ VerifiedPlan verify_plan_on_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& 
       store_error = message_of(error);
     }
   }
-  agree_rank0_succeeded(group, store_error, "verify_plan_on_ranks");
+  agree_with_rank0(group, store_error, 0, "verify_plan_on_ranks");
   if (rank == 0) {
     if (!result.replanned.plan.ranked.empty()) {
       Configuration best = result.replanned.plan.ranked.front().configuration;
